@@ -1,0 +1,1 @@
+"""distributed layer of splash_rollout (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""engine layer of splash_rollout (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""layout layer of splash_rollout (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""reporting layer of splash_rollout (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""scheduling layer of splash_rollout (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""sim layer of splash_rollout (see DESIGN.md §2)."""
