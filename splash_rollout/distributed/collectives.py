@@ -1,0 +1,152 @@
+"""Collective wrappers that count the bytes each rank sends and receives.
+
+Every collective the engine and the switcher run goes through ``Comm`` so that a switch's measured
+traffic can be checked against its ``SwitchPlan`` byte for byte. Convention (payload bytes, the
+same as ``layout.switch_plan``): a rank *sends* each byte it contributes once per peer that needs
+it and *receives* each byte that a peer contributes to it; its own contribution to itself is free.
+Padding used to make gloo's uneven gathers even is never counted. all-reduce is counted as a ring,
+2 (T - 1) / T of the buffer each way.
+
+gloo on CPU refuses uneven list forms, so uneven gathers pad to the largest piece and use
+``all_gather_into_tensor``; uneven exchanges use ``all_to_all_single`` with split sizes.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ByteCounter:
+    """Bytes this rank sent and received, per tag (e.g. ``switch/weights``, ``switch/kv``, ``step``)."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, tag: str, sent: int, received: int) -> None:
+        self.sent[tag] += int(sent)
+        self.received[tag] += int(received)
+
+    def total(self, prefix: str = "") -> tuple[int, int]:
+        """(sent, received) over tags starting with ``prefix``."""
+        return (sum(v for k, v in self.sent.items() if k.startswith(prefix)),
+                sum(v for k, v in self.received.items() if k.startswith(prefix)))
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+
+
+class Pending:
+    """An issued asynchronous collective; ``wait()`` returns its result."""
+
+    def __init__(self, work: Any, finish: Callable[[], Any]):
+        self._work, self._finish, self._done, self._result = work, finish, False, None
+
+    def wait(self) -> Any:
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            self._result, self._done = self._finish(), True
+        return self._result
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row (everything after dim 0)."""
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n * t.element_size()
+
+
+class Comm:
+    """One rank's collectives over one process group, with byte counting."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, counter: ByteCounter | None = None):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.counter = counter if counter is not None else ByteCounter()
+
+    # ---- all-reduce -------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "step") -> torch.Tensor:
+        """Sum in place over the group. tensor: any shape; returns it."""
+        t = self.world_size
+        if t > 1:
+            dist.all_reduce(tensor, group=self.group)
+            ring = tensor.numel() * tensor.element_size() * 2 * (t - 1) // t
+            self.counter.add(tag, ring, ring)
+        return tensor
+
+    # ---- uneven all-gather ------------------------------------------------------------------
+    def all_gather_uneven(self, local: torch.Tensor, sizes: Sequence[int], tag: str = "step",
+                          async_op: bool = False) -> torch.Tensor | Pending:
+        """Concatenate every rank's rows in rank order.
+
+        local: [sizes[rank], *row] on this rank; sizes: [T] rows per rank (the same list on every
+        rank). Returns [sum(sizes), *row] (or a Pending that yields it).
+        """
+        t, r = self.world_size, self.rank
+        if len(sizes) != t or local.shape[0] != sizes[r]:
+            raise ValueError(f"all_gather_uneven: rank {r} holds {local.shape[0]} rows, sizes say {list(sizes)}")
+        row_shape, row_bytes = tuple(local.shape[1:]), _row_bytes(local)
+        self.counter.add(tag, sizes[r] * row_bytes * (t - 1), (sum(sizes) - sizes[r]) * row_bytes)
+        if t == 1:
+            out = local.clone()
+            return Pending(None, lambda: out) if async_op else out
+        most = max(sizes)
+        padded = local.new_zeros((most,) + row_shape)
+        padded[: sizes[r]] = local
+        gathered = local.new_empty((t * most,) + row_shape)
+        work = dist.all_gather_into_tensor(gathered, padded, group=self.group, async_op=async_op)
+
+        def finish() -> torch.Tensor:
+            pieces = [gathered[q * most: q * most + sizes[q]] for q in range(t)]
+            return torch.cat(pieces, dim=0)
+
+        return Pending(work, finish) if async_op else finish()
+
+    # ---- uneven all-to-all ------------------------------------------------------------------
+    def all_to_all_uneven(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                          tag: str = "step", async_op: bool = False) -> torch.Tensor | Pending:
+        """Rows send[sum(send_splits[:q]) : ...] go to rank q; returns the rows received, in rank order.
+
+        send: [sum(send_splits), *row]; recv_splits: [T] rows from each rank (must match the
+        peers' send_splits). Ranks with zero rows still join. Returns [sum(recv_splits), *row].
+        """
+        t, r = self.world_size, self.rank
+        if len(send_splits) != t or len(recv_splits) != t or send.shape[0] != sum(send_splits):
+            raise ValueError(f"all_to_all_uneven: rank {r} sends {send.shape[0]} rows with splits "
+                             f"{list(send_splits)} / receives {list(recv_splits)} over {t} ranks")
+        row_shape, row_bytes = tuple(send.shape[1:]), _row_bytes(send)
+        self.counter.add(tag, (sum(send_splits) - send_splits[r]) * row_bytes,
+                         (sum(recv_splits) - recv_splits[r]) * row_bytes)
+        out = send.new_empty((sum(recv_splits),) + row_shape)
+        if t == 1:
+            out.copy_(send)
+            return Pending(None, lambda: out) if async_op else out
+        work = dist.all_to_all_single(out, send.contiguous(), output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=self.group, async_op=async_op)
+        return Pending(work, lambda: out) if async_op else out
+
+    # ---- small objects on the control group -------------------------------------------------
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """rank ``src`` sends a picklable object, every rank returns it (control group only)."""
+        box = [obj if self.rank == src else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)

@@ -1,0 +1,74 @@
+"""Process groups, made in one place (STYLE 4): compute, switch transfer, CPU control.
+
+* ``compute``: the step's own collectives (all-reduce after o_proj, DOP's all-to-alls, CP's merge).
+* ``transfer``: switch transfers (weights and KV of layer i while layer i-1 computes), a separate
+  communicator so its collectives never interleave with the step's.
+* ``control``: a gloo group on CPU for the driver's step plans and small objects.
+
+On CPU all three are gloo; on GPU compute and transfer are NCCL. Every collective gets a timeout
+at group creation, so a dead peer turns into an error, never a hang.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups of one worker group of T ranks."""
+
+    rank: int
+    world_size: int
+    backend: str
+    """``gloo`` or ``nccl`` for compute and transfer."""
+    compute: object
+    transfer: object
+    control: object
+    timeout_s: float
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def init_process_groups(rank: int, world_size: int, master_addr: str, master_port: int,
+                        backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
+    """Join the default group over TCP and create the three groups (collective on all ranks)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=timeout)
+    ranks = list(range(world_size))
+    compute = dist.new_group(ranks, backend=backend, timeout=timeout)
+    transfer = dist.new_group(ranks, backend=backend, timeout=timeout)
+    control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    return ProcessGroups(rank, world_size, backend, compute, transfer, control, timeout_s)
+
+
+def init_from_torchrun(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
+    """Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set): the trainer's ranks."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"torchrun environment: missing {', '.join(missing)}; launch with torchrun")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    return init_process_groups(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
+                               int(os.environ["MASTER_PORT"]), backend, timeout_s)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                   and "LOCAL_RANK" in os.environ)
+
+
+def destroy_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,172 @@
+"""Launching T ranks from one Python process: ``WorkerGroup``.
+
+A plain Python process (a notebook, a test, ``RolloutEngine`` outside torchrun) spawns T worker
+processes once; each joins the process groups and then serves calls: ``group.run(fn, *args)`` runs
+``fn(ctx, *args)`` on every rank (``ctx`` is the rank's ``WorkerContext``) and returns the T results
+in rank order. ``fn`` must be importable (a module-level function). Workers keep state between calls
+in ``ctx.state``, which is how an engine lives in them.
+
+Nothing waits forever: every call has a timeout, a worker that dies is noticed within a poll
+interval and named in the error, and an exception on any rank comes back with its traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from splash_rollout.distributed.groups import DEFAULT_TIMEOUT_S, ProcessGroups, init_process_groups
+
+
+class RankFailure(RuntimeError):
+    """A rank died, timed out or raised; the message says which and why."""
+
+
+@dataclass
+class WorkerContext:
+    """What a function run on a rank receives."""
+
+    groups: ProcessGroups
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.world_size
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float, threads: int,
+                 calls: Any, results: Any) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        ctx = WorkerContext(init_process_groups(rank, world_size, "127.0.0.1", port, backend, timeout_s))
+        results.put((rank, "ready", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        item = calls.get()
+        if item is None:
+            break
+        call_id, fn, args, kwargs = item
+        try:
+            results.put((rank, call_id, ("ok", fn(ctx, *args, **kwargs))))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, call_id, ("error", traceback.format_exc())))
+    from splash_rollout.distributed.groups import destroy_process_groups
+
+    destroy_process_groups()
+
+
+class WorkerGroup:
+    """T spawned ranks serving ``run`` calls. Use as a context manager or call ``shutdown``."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 threads_per_rank: int | None = None, start_timeout_s: float = 120.0):
+        if world_size < 1:
+            raise ValueError(f"world_size: expected a positive integer, got {world_size}")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._results = ctx.Queue()
+        self._calls = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_worker_main, name=f"splash-rank{r}", daemon=True,
+                                   args=(r, world_size, port, backend, timeout_s, threads, self._calls[r],
+                                         self._results))
+                       for r in range(world_size)]
+        self._next_call, self._closed = 0, False
+        for p in self._procs:
+            p.start()
+        try:
+            self._collect("ready", start_timeout_s, what="start")
+        except BaseException:
+            self.shutdown(force=True)
+            raise
+
+    def _check_alive(self, what: str) -> None:
+        for rank, p in enumerate(self._procs):
+            if not p.is_alive():
+                raise RankFailure(f"rank {rank} died during {what} (exit code {p.exitcode})")
+
+    def _collect(self, call_id: Any, timeout_s: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, Any] = {}
+        while len(got) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                raise RankFailure(f"{what}: ranks {missing} did not answer within {timeout_s:.0f} s")
+            try:
+                rank, cid, payload = self._results.get(timeout=min(0.5, remaining))
+            except queue.Empty:
+                self._check_alive(what)
+                continue
+            if cid == "error":
+                raise RankFailure(f"rank {rank} failed to {what}:\n{payload}")
+            if cid != call_id:
+                continue  # a late answer to an abandoned call
+            if call_id == "ready":
+                got[rank] = None
+                continue
+            status, value = payload
+            if status == "error":
+                raise RankFailure(f"rank {rank} raised during {what}:\n{value}")
+            got[rank] = value
+        return [got[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """``fn(ctx, *args, **kwargs)`` on every rank; results in rank order."""
+        if self._closed:
+            raise RuntimeError("WorkerGroup: run() after shutdown()")
+        self._check_alive(getattr(fn, "__name__", "call"))
+        self._next_call += 1
+        call_id = self._next_call
+        for q in self._calls:
+            q.put((call_id, fn, args, kwargs))
+        return self._collect(call_id, timeout_s or self.timeout_s, what=getattr(fn, "__name__", "call"))
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def shutdown(self, force: bool = False, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for q in self._calls:
+                q.put(None)
+            deadline = time.monotonic() + timeout_s
+            for p in self._procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown(force=exc[0] is not None)
