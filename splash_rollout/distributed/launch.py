@@ -105,6 +105,15 @@ class WorkerGroup:
             if not p.is_alive():
                 raise RankFailure(f"rank {rank} died during {what} (exit code {p.exitcode})")
 
+    def _blame_dead_rank(self, what: str, seen: str, grace_s: float = 1.0) -> None:
+        """A peer's death shows up on survivors as a broken connection; name the dead rank instead."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            for rank, p in enumerate(self._procs):
+                if not p.is_alive():
+                    raise RankFailure(f"rank {rank} died during {what} (exit code {p.exitcode}); {seen}")
+            time.sleep(0.05)
+
     def _collect(self, call_id: Any, timeout_s: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout_s
         got: dict[int, Any] = {}
@@ -127,6 +136,7 @@ class WorkerGroup:
                 continue
             status, value = payload
             if status == "error":
+                self._blame_dead_rank(what, f"rank {rank} saw: {value.strip().splitlines()[-1]}")
                 raise RankFailure(f"rank {rank} raised during {what}:\n{value}")
             got[rank] = value
         return [got[r] for r in range(self.world_size)]
