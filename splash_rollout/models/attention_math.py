@@ -1,0 +1,88 @@
+"""The one place the MLA attention and DSA selection math lives.
+
+The training forward (models/mla.py) and the engine's paged backends call these functions, so the
+trainer's logprobs and the rollout's agree by construction. Everything here works on one request
+(queries [N, ...] against that request's keys [S, ...]); callers loop or batch over requests.
+
+All scores are computed in float32 whatever the input dtype; outputs come back in the input dtype
+(``lse`` stays float32).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def absorbed_attention(
+    q_nope_abs: torch.Tensor,  # [N, H, r]  q_nope already multiplied by W_UK
+    q_pe: torch.Tensor,  # [N, H, rope] roped
+    c_kv: torch.Tensor,  # [S, r] normed latent
+    k_pe: torch.Tensor,  # [S, rope] roped
+    allowed: torch.Tensor,  # [N, S] bool
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out_latent [N, H, r], lse [N, H] float32, natural log of the scaled logits' sum-exp).
+
+    out_latent = softmax(scale * (q_nope_abs . c_kv + q_pe . k_pe)) @ c_kv over the allowed keys.
+    A row with no allowed key gives zeros and lse = -inf, so partial results merge exactly.
+    """
+    dtype = q_nope_abs.dtype
+    c = c_kv.float()
+    logits = torch.einsum("nhr,sr->nhs", q_nope_abs.float(), c)
+    logits = logits + torch.einsum("nhp,sp->nhs", q_pe.float(), k_pe.float())
+    logits = (logits * scale).masked_fill(~allowed[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [N, H]
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 for masked keys and empty rows
+    out = torch.einsum("nhs,sr->nhr", probs, c)
+    return out.to(dtype), lse
+
+
+def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Exact merge of attention over disjoint key sets: outs [N, H, r] each, lses [N, H] each."""
+    lse = torch.stack([x.float() for x in lses])  # [P, N, H]
+    total = torch.logsumexp(lse, dim=0)  # [N, H]
+    safe_total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    weights = torch.exp(lse - safe_total)  # [P, N, H]; zero for empty parts
+    out = sum(w[..., None] * o.float() for w, o in zip(weights, outs))
+    return out.to(outs[0].dtype)
+
+
+def indexer_scores(
+    index_q: torch.Tensor,  # [N, Hi, D] roped
+    index_w: torch.Tensor,  # [N, Hi] per-head weights carrying every scale
+    index_k: torch.Tensor,  # [S, D] roped, normed
+) -> torch.Tensor:
+    """DSA lightning-indexer scores [N, S] float32: sum_h w[n,h] * relu(q[n,h] . k[s])."""
+    scores = torch.relu(torch.einsum("nhd,sd->nhs", index_q.float(), index_k.float()))
+    return torch.einsum("nh,nhs->ns", index_w.float(), scores)
+
+
+TIE_BREAKS = ("position", "torch")
+
+
+def indexer_select(scores: torch.Tensor, allowed: torch.Tensor, topk: int, tie_break: str = "position"
+                   ) -> torch.Tensor:
+    """Top-``topk`` allowed keys per query row: BoolTensor [N, S] (every allowed key if fewer).
+
+    ``tie_break="position"`` (default): higher score first, and among equal scores the earlier
+    position wins. Exact ties are common (a key whose every indexer head is cut by the ReLU scores
+    exactly 0), and ``torch.topk`` breaks them differently for rows of different lengths, so an
+    engine whose rows are as long as the cache and a trainer whose rows are as long as the padded
+    batch would pick different keys. With this rule the choice depends only on the allowed keys'
+    scores and positions: the same for every row length, padding, page split or layout.
+
+    ``tie_break="torch"``: what transformers does (disallowed keys set to float32's lowest value,
+    ``torch.topk`` over the whole row), bit-exact with transformers for a row of the same length;
+    used by the parity tests. Both rules agree whenever the k-th and (k+1)-th allowed scores differ.
+    """
+    n, s = scores.shape
+    k = min(topk, s)
+    if tie_break == "position":
+        masked = scores.float().masked_fill(~allowed, float("-inf"))
+        idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+    elif tie_break == "torch":
+        idx = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min).topk(k, dim=-1).indices
+    else:
+        raise ValueError(f"tie_break: expected one of {TIE_BREAKS}, got {tie_break!r}")
+    chosen = torch.zeros(n, s, dtype=torch.bool, device=scores.device).scatter_(1, idx, True)
+    return chosen & allowed

@@ -1,0 +1,129 @@
+"""MLAForCausalLM: DeepSeek-V3 / V3.2 / GLM-5 (glm_moe_dsa) on one device, HF parameter names.
+
+``forward`` is the training forward over whole right-padded sequences and the parity oracle for the
+engine; it is built from the same pieces the engine calls (``MLAAttention.project_q`` / ``project_kv``
+/ W_UK absorption / ``attention_math.absorbed_attention`` / W_UV / o_proj), so both share numerics.
+Router weights/bias and the indexer's weights_proj stay float32 in any model dtype (as transformers
+keeps them); use ``cast_model`` rather than ``.to(dtype)`` to change dtype.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.mla import MLAAttention
+from splash_rollout.models.moe import DenseMLP, MoE
+from splash_rollout.models.norm import RMSNorm
+from splash_rollout.models.rope import RotaryEmbedding
+
+FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+"""Tensors kept in float32 whatever the model dtype."""
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters and buffers to ``dtype`` except the float32-kept ones (in place)."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point():
+            t.data = t.data.to(torch.float32 if keeps_fp32(name) else dtype)
+    return model
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAAttention(config, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: DenseMLP | MoE = (MoE(config) if config.is_moe_layer(layer_idx)
+                                    else DenseMLP(config.hidden_size, config.intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                prev_selected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [B, S, hidden] -> (hidden [B, S, hidden], DSA selection [B, S, S] or None)."""
+        attn, selected = self.self_attn(self.input_layernorm(hidden), positions, allowed, prev_selected)
+        hidden = hidden + attn
+        b, s, d = hidden.shape
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden).reshape(b * s, d)).view(b, s, d)
+        return hidden, selected
+
+
+class MLAModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.rotary_emb = RotaryEmbedding(config)  # no parameters; shared by every layer
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MLAForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.has_indexer and config.indexer_types and config.indexer_types[0] != "full":
+            raise ValueError(f"indexer_types: layer 0 must be 'full', got {config.indexer_types[0]!r}")
+        self.config = config
+        self.model = MLAModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, S] (right padded), attention_mask [B, S] bool (True = real token) ->
+        logits [B, S, vocab]. Causal; padded keys are never attended."""
+        b, s = input_ids.shape
+        device = input_ids.device
+        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        valid = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                 else attention_mask.to(torch.bool))
+        allowed = causal[None] & valid[:, None, :]  # [B, S, S]
+        positions = torch.arange(s, device=device)
+        hidden = self.model.embed_tokens(input_ids)
+        selected = None
+        for layer in self.model.layers:
+            hidden, selected = layer(hidden, positions, allowed, selected)
+        return self.compute_logits(hidden.reshape(b * s, -1)).view(b, s, -1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (last layer output, before the final norm) -> logits [N, vocab]."""
+        return self.lm_head(self.model.norm(hidden))
+
+    def set_indexer_tie_break(self, tie_break: str) -> None:
+        """``"position"`` (default, layout-independent) or ``"torch"`` (transformers' exact choice)."""
+        for layer in self.model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.tie_break = tie_break
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> "MLAForCausalLM":
+        """Seeded random init (same seed => identical state_dict): linears and embeddings N(0, 0.02),
+        norm weights 1, LayerNorm biases 0, e_score_correction_bias 0. Independent of global RNG."""
+        model = cls(config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("norm.bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.zero_()
+        return cast_model(model, dtype)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> "MLAForCausalLM":
+        """Load a HF checkpoint folder (config.json + safetensors); see ``weights.load_checkpoint``."""
+        from splash_rollout.models.weights import load_checkpoint
+
+        return load_checkpoint(path, dtype=dtype)

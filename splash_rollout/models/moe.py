@@ -1,0 +1,83 @@
+"""Feed-forward blocks: the dense SiLU MLP and the DeepSeek/GLM mixture of experts.
+
+Routing (DeepSeek-V3 "noaux_tc"): sigmoid scores; the choice uses scores + e_score_correction_bias,
+restricted to the best ``topk_group`` of ``n_group`` groups (a group's score is the sum of its two
+best experts); the weights are the plain sigmoid scores of the chosen experts, normalised over the
+top-k when ``norm_topk_prob``, times ``routed_scaling_factor``. Shared experts always run.
+Router weight and bias stay float32 in every model dtype, as in transformers.
+Experts are separate modules (``experts.{e}.gate_proj`` ...), the names real checkpoints ship, so
+expert parallelism can hand out whole modules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splash_rollout.models.config import ModelConfig
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """HF name ``mlp.gate``: weight [E, hidden] and e_score_correction_bias [E], both float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        if self.num_experts % self.n_group:
+            raise ValueError(f"{self.num_experts = } must be divisible by {self.n_group = }")
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (topk_idx [N, k] int64, topk_weight [N, k] float32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            best = group_score.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+            keep = keep[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weight = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
+        return idx, weight * self.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = nn.ModuleList(DenseMLP(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.n_routed_experts))
+        self.shared_experts = (DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+                               if config.n_shared_experts > 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        idx, weight = self.gate(x)
+        out = torch.zeros_like(x)
+        used = torch.bincount(idx.flatten(), minlength=len(self.experts)).nonzero().flatten()
+        for e in used.tolist():  # one host sync, then only the experts that got tokens
+            rows, slot = torch.where(idx == e)
+            y = self.experts[e](x[rows]) * weight[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
