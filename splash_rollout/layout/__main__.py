@@ -88,7 +88,7 @@ def _sizes(args) -> AttentionBytes:
         w_a = int(args.attention_weights_gib * GiB) if args.attention_weights_gib is not None else sizes.w_a
         kv = args.kv_bytes_per_token or sizes.kv_bytes_per_token_total
         rep = 0 if args.attention_weights_gib is not None else sizes.w_replicated
-        sizes = AttentionBytes((w_a,), (rep,), (kv,), sizes.num_heads)
+        sizes = AttentionBytes((w_a,), (rep,), (kv,), sizes.num_heads, sizes.weight_dtype, sizes.kv_format)
     return sizes
 
 

@@ -39,7 +39,7 @@ def vector_bytes(n: int, dtype: str) -> int:
     return n * (2 if dtype == "fp8" else _ELEMENT_BYTES[dtype])
 
 
-def _quantized_vector_bytes(n: int, fmt: str) -> int:
+def kv_vector_bytes(n: int, fmt: str) -> int:
     """One cached vector of n values: fp8 + fp32 scale per 128, or plain bf16 / fp32."""
     if fmt == "fp8-flashmla":
         return n + ceil_div(n, QUANT_BLOCK) * 4
@@ -57,6 +57,10 @@ class AttentionBytes:
     kv_bytes_per_token: tuple[int, ...]
     """Cached bytes per token of each layer: latent + rope (+ indexer key where the layer has one)."""
     num_heads: int
+    weight_dtype: str = "fp8"
+    """Weight dtype the table was built with."""
+    kv_format: str = "fp8-flashmla"
+    """KV format the table was built with."""
 
     @property
     def num_layers(self) -> int:
@@ -91,7 +95,7 @@ class AttentionBytes:
         if c.q_lora_rank:
             rep += matrix_bytes(c.q_lora_rank, c.hidden_size, d) + vector_bytes(c.q_lora_rank, d)
         switchable, replicated, kv = [], [], []
-        latent = _quantized_vector_bytes(c.kv_lora_rank, kv_format)
+        latent = kv_vector_bytes(c.kv_lora_rank, kv_format)
         rope = c.qk_rope_head_dim * (2 if kv_format == "fp8-flashmla" else _ELEMENT_BYTES[kv_format])
         for layer in range(c.num_layers):
             layer_rep = rep
@@ -102,8 +106,8 @@ class AttentionBytes:
                               + matrix_bytes(c.index_head_dim, c.hidden_size, d)
                               + 2 * vector_bytes(c.index_head_dim, d)
                               + c.index_n_heads * c.hidden_size * (2 if d == "fp8" else _ELEMENT_BYTES[d]))
-                layer_kv += _quantized_vector_bytes(c.index_head_dim, kv_format)
+                layer_kv += kv_vector_bytes(c.index_head_dim, kv_format)
             switchable.append(w_a)
             replicated.append(layer_rep)
             kv.append(layer_kv)
-        return cls(tuple(switchable), tuple(replicated), tuple(kv), h)
+        return cls(tuple(switchable), tuple(replicated), tuple(kv), h, weight_dtype, kv_format)

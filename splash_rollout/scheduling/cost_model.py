@@ -1,0 +1,329 @@
+"""t_ℓ(x; θ): stage-wise latency of one serving step in each attention layout (paper §4.2, Table 2).
+
+A step runs N query rows of B requests (a prefill chunk of q_i rows, or one decode row) through
+every decoder layer. Per layer the busiest rank's load follows the layout's two choices:
+
+==========  =========  ===================  ==========================  ===============================
+layout      weights    KV read / indexer    attention work              collectives per layer
+==========  =========  ===================  ==========================  ===============================
+TP          W_A / T    all B histories      H/T heads of every request  all-reduce [N, hidden]
+CP          W_A        Σs / T positions     Σ work / T                   pass-Q: merge partials+LSE, top-k
+                                                                         merge; pass-KV: gather histories;
+                                                                         then gather output rows
+DP-attn     W_A        busiest owner        all heads, own requests      all-gather output rows
+DOP         W_A / T    busiest owner        all heads, own requests      2 variable all-to-alls
+                                                                         + all-reduce after o_proj
+==========  =========  ===================  ==========================  ===============================
+
+Each stage costs ``max(flops / rate, weight_bytes / weight_bw + kv_bytes / kv_bw)`` (roofline) and
+each collective ``latency + bytes / bandwidth`` on the busiest rank; stages add up, layers add up,
+then a fixed per-layer and per-step overhead. The MLP / MoE part is the same in every layout (dense
+TP, experts spread over ranks, all-reduce of [N, hidden]); it does not choose the layout but it sets
+how much the attention differences matter.
+
+DSA (DeepSeek-V3.2, GLM-5): a ``full`` layer's indexer scores every cached token for every row
+(2·Hi·Di FLOP per pair, reading the indexer keys), and every layer attends over
+``min(context, index_topk)`` tokens per row. The indexer weights are replicated and its keys live
+with the KV, so TP runs the indexer of every request on every rank (no head split: the top-k must be
+one set per row) — that redundancy, not attention itself, is what costs TP at long contexts.
+CP runs whichever of its two exact algorithms is cheaper for the step (Yang et al. 2025): pass-Q
+(every rank attends all rows over the positions it stores; partial outputs + LSE ``[N, H, kv_lora]``
+are merged by row; the global top-k per row comes from exchanging local candidates or gathering the
+indexer keys, per request the cheaper) suits decode; pass-KV (rows split over ranks end to end, each
+rank gathers the stored latent and indexer keys of the requests in the step) suits long prefill
+chunks of few requests.
+
+Units: seconds, bytes, FLOP. Activations are bf16 (2 bytes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from splash_rollout.layout import ALL_LAYOUTS, AttentionBytes, Layout, ceil_div, fits
+from splash_rollout.layout.bytes import kv_vector_bytes, matrix_bytes
+from splash_rollout.models.config import ModelConfig
+from splash_rollout.scheduling.profile import HardwareProfile
+
+ACT = 2  # bytes per bf16 activation element
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """x: the requests of one step."""
+
+    context: np.ndarray
+    """[B] int64: s_i, tokens in request i's history once this step's rows are appended."""
+    query_rows: np.ndarray
+    """[B] int64: q_i, rows this step (prefill chunk length, or 1 in decode)."""
+    owners: np.ndarray
+    """[B] int64: owner rank (DP-attention, DOP)."""
+    sampling_rows: int | None = None
+    """Rows that produce a token (lm_head); None means one per request."""
+
+    @classmethod
+    def make(cls, context, query_rows, owners, sampling_rows: int | None = None) -> "StepBatch":
+        c = np.asarray(context, dtype=np.int64).reshape(-1)
+        q = np.broadcast_to(np.asarray(query_rows, dtype=np.int64), c.shape).copy()
+        o = np.broadcast_to(np.asarray(owners, dtype=np.int64), c.shape).copy()
+        if (q < 0).any() or (q > c).any():
+            raise ValueError("query_rows: expected 0 <= q_i <= context_i")
+        return cls(c, q, o, sampling_rows)
+
+    @property
+    def size(self) -> int:
+        return int(self.context.size)
+
+    @property
+    def rows(self) -> int:
+        return int(self.query_rows.sum())
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted latency of one step in one layout."""
+
+    layout: Layout
+    seconds: float
+    """Step latency (inf when the layout cannot hold the batch)."""
+    stages: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per stage summed over layers (``attn_in``, ``attn_proj``, ``indexer``, ``attention``,
+    ``attn_comm``, ``mlp``, ``mlp_comm``, ``lm_head``, ``overhead``)."""
+    layer_seconds: tuple[float, ...] = ()
+    """[num_layers] seconds of each decoder layer (what hides a switch's next-layer transfer)."""
+    feasible: bool = True
+    reason: str = ""
+    variant: str = ""
+    """CP's algorithm this step: ``pass-q`` (merge partials) or ``pass-kv`` (gather the histories)."""
+
+
+STAGES = ("attn_in", "attn_proj", "indexer", "attention", "attn_comm", "mlp", "mlp_comm", "lm_head", "overhead")
+
+
+# ---- model constants (computed once per model / byte table) ----------------------------------
+
+@dataclass(frozen=True)
+class _Consts:
+    hidden: int
+    heads: int
+    vocab: int
+    f_in: float  # replicated q_a + kv_a FLOP per row
+    f_in_idx: float  # indexer projections FLOP per row (full layers)
+    f_q: float  # q_b + W_UK absorption FLOP per row per head
+    f_o: float  # W_UV + o_proj FLOP per row per head
+    f_att: float  # absorbed attention FLOP per (row, token, head)
+    f_idx: float  # indexer FLOP per (row, token)
+    topk: int  # 0: dense attention
+    lat_bytes: int  # cached latent + rope bytes per token per layer
+    idx_bytes: int  # cached indexer key bytes per token per full layer
+    q_width: int  # q_lora (or hidden) + kv_lora + rope: latent row CP gathers
+    kv_lora: int
+    qk_rope: int
+    expert_bytes: int
+    f_expert: float  # FLOP per routed row per expert
+    dense_bytes: int
+    f_dense: float
+    n_experts: int
+    top_k: int
+    n_shared: int
+    groups: tuple[tuple[tuple[bool, bool], tuple[int, ...]], ...]  # ((full_indexer, moe), layers)
+    w_a: tuple[int, ...]
+    w_rep: tuple[int, ...]
+    head_bytes: int  # lm_head bytes (whole)
+
+
+_CACHE: dict[tuple[int, int], tuple[ModelConfig, AttentionBytes, _Consts]] = {}
+
+
+def _consts(model: ModelConfig, sizes: AttentionBytes) -> _Consts:
+    key = (id(model), id(sizes))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is model and hit[1] is sizes:
+        return hit[2]
+    c = model
+    wd, kf = sizes.weight_dtype, sizes.kv_format
+    q_in = c.q_lora_rank or c.hidden_size
+    h, d = c.hidden_size, c.kv_lora_rank
+    f_in = 2.0 * h * ((c.q_lora_rank or 0) + d + c.qk_rope_head_dim)
+    f_in_idx = 2.0 * (q_in * c.index_n_heads * c.index_head_dim + h * c.index_head_dim + h * c.index_n_heads)
+    lat = kv_vector_bytes(d, kf) + c.qk_rope_head_dim * (2 if kf == "fp8-flashmla" else {"bf16": 2, "fp32": 4}[kf])
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for i in range(c.num_layers):
+        groups.setdefault((c.layer_has_indexer_cache(i), c.is_moe_layer(i)), []).append(i)
+    vocab_dtype = "bf16" if wd == "fp8" else wd
+    consts = _Consts(
+        hidden=h, heads=c.num_heads, vocab=c.vocab_size, f_in=f_in, f_in_idx=f_in_idx,
+        f_q=2.0 * (q_in * c.qk_head_dim + c.qk_nope_head_dim * d),
+        f_o=2.0 * (d * c.v_head_dim + c.v_head_dim * h),
+        f_att=2.0 * (d + c.qk_rope_head_dim) + 2.0 * d,
+        f_idx=2.0 * c.index_n_heads * c.index_head_dim,
+        topk=c.index_topk if c.has_indexer else 0,
+        lat_bytes=lat, idx_bytes=kv_vector_bytes(c.index_head_dim, kf) if c.has_indexer else 0,
+        q_width=(c.q_lora_rank or h) + d + c.qk_rope_head_dim, kv_lora=d, qk_rope=c.qk_rope_head_dim,
+        expert_bytes=3 * matrix_bytes(c.moe_intermediate_size or 1, h, wd),
+        f_expert=2.0 * 3 * h * c.moe_intermediate_size,
+        dense_bytes=3 * matrix_bytes(c.intermediate_size, h, wd), f_dense=2.0 * 3 * h * c.intermediate_size,
+        n_experts=c.n_routed_experts, top_k=c.num_experts_per_tok, n_shared=c.n_shared_experts,
+        groups=tuple((k, tuple(v)) for k, v in groups.items()),
+        w_a=sizes.switchable_weight_bytes, w_rep=sizes.replicated_weight_bytes,
+        head_bytes=matrix_bytes(c.vocab_size, h, vocab_dtype))
+    if len(_CACHE) > 64:
+        _CACHE.clear()
+    _CACHE[key] = (model, sizes, consts)
+    return consts
+
+
+# ---- per-request work ---------------------------------------------------------------------------
+
+def _pairs(start: np.ndarray, q: np.ndarray, cap: int) -> np.ndarray:
+    """Σ_j min(start + j, cap) for j = 1..q (cap <= 0: no cap). [B] float."""
+    start, q = start.astype(np.float64), q.astype(np.float64)
+    full = q * start + q * (q + 1) / 2
+    if cap <= 0:
+        return full
+    m = np.clip(cap - start, 0, q)
+    return m * start + m * (m + 1) / 2 + (q - m) * cap
+
+
+def _per_rank(owners: np.ndarray, values: np.ndarray, t: int) -> np.ndarray:
+    return np.bincount(owners, weights=values, minlength=t)[:t]
+
+
+def _roof(flops: float, rate: float, w_bytes: float, w_bw: float, kv_bytes: float = 0.0, kv_bw: float = 1.0) -> float:
+    return max(flops / rate, w_bytes / w_bw + kv_bytes / kv_bw)
+
+
+def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profile: HardwareProfile,
+              sizes: AttentionBytes, pools: Mapping[Layout, int] | None = None) -> StepCost:
+    """Predicted latency of one step of ``batch`` in ``layout``; inf when its KV does not fit ``pools``
+    (per-rank pool tokens per layout, from ``layout.footprints``)."""
+    layout = Layout.parse(layout)
+    t = profile.world_size
+    if pools is not None:
+        pool = pools.get(layout, 0)
+        if not fits(layout, batch.context, pool, t, batch.owners):
+            return StepCost(layout, math.inf, {}, (), False,
+                            f"{layout.value}: KV of {int(batch.context.sum())} tokens does not fit a {pool}-token pool per rank")
+    k = _consts(model, sizes)
+    p = profile
+    s, q, own = batch.context, batch.query_rows, batch.owners
+    n = float(q.sum())
+    start = s - q
+    att_pairs = _pairs(start, q, k.topk)  # [B] (row, token) pairs attended, per head
+    idx_pairs = _pairs(start, q, 0) if k.topk else np.zeros_like(att_pairs)
+    kv_read = np.minimum(s, q * k.topk) if k.topk else s.astype(np.float64)  # latent tokens read
+    kv_read = np.where(q > 0, kv_read, 0).astype(np.float64)
+    idx_read = np.where(q > 0, s, 0).astype(np.float64)
+    h, hd = k.heads, k.hidden
+    owner_layout = layout in (Layout.DP, Layout.DOP)
+    if owner_layout:
+        n_r = _per_rank(own, q.astype(np.float64), t)
+        busy_rows = float(n_r.max())
+        att_load = float(_per_rank(own, att_pairs, t).max())
+        idx_load = float(_per_rank(own, idx_pairs, t).max())
+        kv_load = float(_per_rank(own, kv_read, t).max())
+        idxr_load = float(_per_rank(own, idx_read, t).max())
+    else:
+        n_r = None
+        div = t if layout is Layout.CP else 1
+        att_load, idx_load = att_pairs.sum() / div, idx_pairs.sum() / div
+        kv_load, idxr_load = kv_read.sum() / div, idx_read.sum() / div
+    att_heads = h / t if layout is Layout.TP else h
+    sharded = layout.shards_projections
+    rows_sh = float(ceil_div(int(n), t))
+    ar_hidden = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
+
+    # collectives of the attention block (per layer; the indexer part only on full layers)
+    frac = (t - 1) / t
+    if layout is Layout.TP:
+        comm = ar_hidden
+    elif layout is Layout.DP:
+        comm = p.all_gather.time(float((n - n_r).max()) * hd * ACT)
+    elif layout is Layout.DOP:
+        def a2a(width: int) -> float:
+            sent = (n - n_r) * (h / t) * width * ACT
+            recv = n_r * h * (t - 1) / t * width * ACT
+            return p.all_to_all.time(float(np.maximum(sent, recv).max()))
+        comm = a2a(k.kv_lora + k.qk_rope) + a2a(k.kv_lora) + ar_hidden
+    if layout is Layout.TP or layout is Layout.DOP:
+        in_rows, proj_flops = n, n * (k.f_q + k.f_o) * h / t
+    elif layout is Layout.DP:
+        in_rows, proj_flops = busy_rows, busy_rows * (k.f_q + k.f_o) * h
+    variants = [("", in_rows, proj_flops, comm, 0.0)] if layout is not Layout.CP else []
+    if layout is Layout.CP:
+        # pass-Q: every rank attends every row over its own positions, partials+LSE merged by row
+        # owner; q_b/absorption run for all rows on every rank, W_UV/o_proj on N/T rows.
+        topk = 0.0
+        if k.topk:
+            cand = q * np.minimum(k.topk, np.ceil(s / t)) * 8.0 * (t - 1)
+            keys = s * k.idx_bytes * frac
+            topk = p.all_gather.time(float(np.where(s > k.topk, np.minimum(cand, keys), 0).sum()))
+        variants.append(("pass-q", rows_sh, n * k.f_q * h + rows_sh * k.f_o * h,
+                         p.all_gather.time(frac * n * k.q_width * ACT)
+                         + p.all_to_all.time(frac * n * h * (k.kv_lora + 2) * ACT)
+                         + p.all_gather.time(frac * n * hd * ACT), topk))
+        # pass-KV: rows split over ranks end to end; each rank gathers the stored latent (and
+        # indexer keys) of the requests it serves this step. Wins for long prefill chunks.
+        active = q > 0
+        lat_gather = p.all_gather.time(frac * float(s[active].sum()) * k.lat_bytes)
+        idx_gather = p.all_gather.time(frac * float(s[active].sum()) * k.idx_bytes) if k.topk else 0.0
+        variants.append(("pass-kv", rows_sh, rows_sh * (k.f_q + k.f_o) * h,
+                         lat_gather + p.all_gather.time(frac * n * hd * ACT), idx_gather))
+
+    mf, af = p.matmul_flops, p.attention_flops
+    if k.n_experts:
+        touched = k.n_experts * (1.0 - (1.0 - k.top_k / k.n_experts) ** n) if n else 0.0
+        moe = _roof(n * k.top_k * k.f_expert / t + n * k.n_shared * k.f_expert / t + n * 2 * hd * k.n_experts, mf,
+                    touched / t * k.expert_bytes + k.n_shared * k.expert_bytes / t + k.n_experts * hd * 4,
+                    p.weight_read_Bps)
+    else:
+        moe = 0.0
+    dense = _roof(n * k.f_dense / t, mf, k.dense_bytes / t, p.weight_read_Bps)
+    best = None
+    for variant, in_rows, proj_flops, comm, comm_idx in variants:
+        stages = dict.fromkeys(STAGES, 0.0)
+        layer_seconds = [0.0] * model.num_layers
+        for (full_idx, is_moe), layers in k.groups:
+            i0 = layers[0]
+            w_a = k.w_a[i0] / t if sharded else k.w_a[i0]
+            st = {
+                "attn_in": _roof(in_rows * (k.f_in + (k.f_in_idx if full_idx else 0.0)), mf, k.w_rep[i0], p.weight_read_Bps),
+                "attn_proj": _roof(proj_flops, mf, w_a, p.weight_read_Bps),
+                "indexer": _roof(idx_load * k.f_idx, af, 0.0, 1.0, idxr_load * k.idx_bytes, p.kv_read_Bps) if full_idx and k.topk else 0.0,
+                "attention": _roof(att_load * k.f_att * att_heads, af, 0.0, 1.0, kv_load * k.lat_bytes, p.kv_read_Bps),
+                "attn_comm": comm + (comm_idx if full_idx else 0.0),
+                "mlp": moe if is_moe else dense,
+                "mlp_comm": ar_hidden,
+            }
+            per_layer = float(sum(st.values())) + p.layer_overhead_s
+            for name, v in st.items():
+                stages[name] += float(v) * len(layers)
+            stages["overhead"] += p.layer_overhead_s * len(layers)
+            for i in layers:
+                layer_seconds[i] = per_layer
+        total = sum(stages.values())
+        if best is None or total < best[0]:
+            best = (total, variant, stages, layer_seconds)
+    _, variant, stages, layer_seconds = best
+    r = batch.size if batch.sampling_rows is None else batch.sampling_rows
+    stages["lm_head"] = _roof(r * 2.0 * hd * k.vocab / t, mf, k.head_bytes / t, p.weight_read_Bps) if r else 0.0
+    stages["overhead"] += p.step_overhead_s
+    return StepCost(layout, float(sum(stages.values())), stages, tuple(layer_seconds), variant=variant)
+
+
+def step_times(batch: StepBatch, model: ModelConfig, profile: HardwareProfile, sizes: AttentionBytes,
+               pools: Mapping[Layout, int] | None = None,
+               layouts: tuple[Layout, ...] = ALL_LAYOUTS) -> dict[Layout, float]:
+    """Seconds per step of ``batch`` in each layout (inf where it does not fit)."""
+    return {l: step_time(l, batch, model, profile, sizes, pools).seconds for l in layouts}
+
+
+def layout_fits(layout: Layout | str, context, owners, pools: Mapping[Layout, int], world_size: int) -> tuple[bool, str]:
+    """Check-half of the fit pair: whether ``context`` (tokens per request) fits the layout's pool."""
+    layout = Layout.parse(layout)
+    pool = pools.get(layout, 0)
+    ok = fits(layout, np.asarray(context, dtype=np.int64), pool, world_size, np.asarray(owners, dtype=np.int64))
+    return ok, "" if ok else f"{layout.value}: KV does not fit a {pool}-token pool per rank"

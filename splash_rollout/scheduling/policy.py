@@ -1,0 +1,165 @@
+"""π(x; θ): which attention layout to run next step, and which owner a new request gets.
+
+Paper §4.2: run the fastest layout whose KV fits; switch only when the candidate's lead, over the
+steps the current batch is expected to keep running, pays the switch's exposed cost plus a margin.
+Rules, in order:
+
+1. never enter a layout that cannot hold the batch (its reserved KV, plus one layer's switch buffers
+   beyond it: Eq. 5 headroom);
+2. if the current layout cannot hold the batch, move to the fastest one that can;
+3. stay at least ``min_dwell_steps`` steps in a layout (hysteresis against oscillating loads);
+4. switch only if the candidate is faster by ``rel_margin`` and
+   ``lead × horizon > overlapped switch cost + abs_margin_s``, where the horizon is a quantile of the
+   remaining max_new_tokens of the running requests (decode steps left).
+
+Every call returns a ``Decision`` record the engine stores in its timeline.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
+from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
+from splash_rollout.scheduling.deployment import Deployment
+from splash_rollout.scheduling.switch_cost import SwitchCost, switch_cost
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    rel_margin: float = 0.05
+    """The candidate must be at least this fraction faster per step."""
+    abs_margin_s: float = 5e-3
+    """Predicted saving over the horizon must exceed the switch cost by this many seconds."""
+    min_dwell_steps: int = 16
+    """Steps to stay in a layout after entering it."""
+    horizon_quantile: float = 0.5
+    """Quantile of the running requests' remaining tokens used as the horizon (steps)."""
+    layouts: tuple[Layout, ...] = ALL_LAYOUTS
+    """Layouts the policy may choose (deployments may rule some out)."""
+
+    def __post_init__(self) -> None:
+        if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:
+            raise ValueError("policy: margins and min_dwell_steps must be non-negative")
+        if not 0.0 <= self.horizon_quantile <= 1.0:
+            raise ValueError(f"horizon_quantile: expected a value in [0, 1], got {self.horizon_quantile}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One policy call: what runs next step and why."""
+
+    current: Layout | None
+    chosen: Layout
+    switch: bool
+    reason: str
+    step_costs: dict[str, float] = field(default_factory=dict)
+    """Predicted seconds per step per layout (inf: does not fit)."""
+    switch_cost_s: float = 0.0
+    """Predicted exposed (overlapped) cost of the switch to ``chosen`` (0 when not switching)."""
+    blocking_cost_s: float = 0.0
+    horizon_steps: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"current": None if self.current is None else self.current.value, "chosen": self.chosen.value,
+                "switch": self.switch, "reason": self.reason,
+                "step_costs": {k: (None if math.isinf(v) else v) for k, v in self.step_costs.items()},
+                "switch_cost_s": self.switch_cost_s, "blocking_cost_s": self.blocking_cost_s,
+                "horizon_steps": self.horizon_steps}
+
+
+def choose_owner(projected_tokens_per_rank, new_request_tokens: int = 0) -> int:
+    """Owner for a new request: the rank with the least projected KV (prompt + max_new_tokens of its
+    requests); ties go to the lowest rank. ``new_request_tokens`` is the same on every rank, so it
+    does not change the choice; it is accepted so callers read like the rule."""
+    projected = np.asarray(projected_tokens_per_rank, dtype=np.int64)
+    if projected.ndim != 1 or projected.size == 0:
+        raise ValueError("projected_tokens_per_rank: expected a non-empty 1-D array")
+    return int(np.argmin(projected + int(new_request_tokens)))
+
+
+class LayoutPolicy:
+    """π over one deployment. Stateless apart from the configuration: the caller passes the current
+    layout and how long it has been in it."""
+
+    def __init__(self, deployment: Deployment, config: PolicyConfig = PolicyConfig()):
+        self.dep = deployment
+        self.config = config
+
+    def costs(self, batch: StepBatch, reserved: np.ndarray | None = None) -> dict[Layout, StepCost]:
+        """Step cost per layout; a layout whose pools cannot hold ``reserved`` (default: the live
+        context) gets inf."""
+        d = self.dep
+        hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
+        out = {}
+        for l in self.config.layouts:
+            if not fits(l, hold, d.pools.get(l, 0), d.world_size, batch.owners):
+                out[l] = StepCost(l, math.inf, feasible=False, reason=f"{l.value}: reserved KV does not fit")
+            else:
+                out[l] = step_time(l, batch, d.model, d.profile, d.sizes)
+        return out
+
+    def switch_cost(self, src: Layout, dst: Layout, batch: StepBatch, dst_cost: StepCost) -> SwitchCost:
+        stored = np.maximum(batch.context - batch.query_rows, 0)
+        kv = BatchKV(tuple(int(x) for x in stored), tuple(int(o) for o in batch.owners), self.dep.page_size)
+        plan = SwitchPlan.build(src, dst, self.dep.sizes, kv, self.dep.world_size)
+        return switch_cost(plan, self.dep.profile, dst_cost.layer_seconds)
+
+    def _headroom_ok(self, dst: Layout, hold: np.ndarray, owners: np.ndarray, sc: SwitchCost) -> bool:
+        """Eq. 5: one layer's incoming buffers beyond the destination's footprint must fit."""
+        d = self.dep
+        if sc.layer_buffer_bytes == 0:
+            return True
+        extra = -(-sc.layer_buffer_bytes // d.sizes.kv_bytes_per_token_total)  # in pool tokens
+        return fits(dst, hold, d.pools.get(dst, 0) - extra, d.world_size, owners)
+
+    def decide(self, current: Layout | None, batch: StepBatch, remaining_tokens, steps_in_layout: int = 0,
+               reserved=None) -> Decision:
+        """Next layout for ``batch``. ``remaining_tokens``: [B] max_new_tokens left per request;
+        ``reserved``: [B] tokens each request may reach (prompt + max_new_tokens) for the fit check."""
+        cfg = self.config
+        hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
+        costs = self.costs(batch, hold)
+        secs = {l.value: c.seconds for l, c in costs.items()}
+        order = sorted((c.seconds, i, l) for i, (l, c) in enumerate(costs.items()) if c.feasible)
+        rem = np.asarray(remaining_tokens, dtype=np.float64)
+        horizon = float(np.quantile(rem, cfg.horizon_quantile)) if rem.size else 0.0
+        if not order:
+            keep = current if current is not None else cfg.layouts[0]
+            return Decision(current, keep, False, "no layout holds the batch; keep", secs, horizon_steps=horizon)
+        fastest = order[0][2]
+        if current is None:
+            return Decision(None, fastest, False, f"initial: {fastest.value} is fastest", secs, horizon_steps=horizon)
+        cur = costs.get(current)
+        cur_ok = cur is not None and cur.feasible
+        if cur_ok and fastest is current:
+            return Decision(current, current, False, "current is fastest", secs, horizon_steps=horizon)
+        if cur_ok and steps_in_layout < cfg.min_dwell_steps:
+            return Decision(current, current, False, f"dwell {steps_in_layout}/{cfg.min_dwell_steps} steps", secs,
+                            horizon_steps=horizon)
+        reasons = []
+        for seconds, _, cand in order:
+            if cand is current:
+                break
+            sc = self.switch_cost(current, cand, batch, costs[cand])
+            if not self._headroom_ok(cand, hold, batch.owners, sc):
+                reasons.append(f"{cand.value}: no headroom for one layer's buffers")
+                continue
+            if not cur_ok:
+                return Decision(current, cand, True, f"{current.value} cannot hold the batch; forced to {cand.value}",
+                                secs, sc.overlapped_s, sc.blocking_s, horizon)
+            lead = cur.seconds - seconds
+            if seconds > cur.seconds * (1.0 - cfg.rel_margin):
+                reasons.append(f"{cand.value} leads by {lead / cur.seconds:.1%} < {cfg.rel_margin:.0%}")
+                break
+            gain = lead * horizon
+            if gain <= sc.overlapped_s + cfg.abs_margin_s:
+                reasons.append(f"{cand.value} saves {gain * 1e3:.2f} ms over {horizon:.0f} steps <= switch "
+                               f"{sc.overlapped_s * 1e3:.2f} ms + margin")
+                continue
+            return Decision(current, cand, True, f"{cand.value} saves {gain * 1e3:.1f} ms over {horizon:.0f} steps "
+                            f"> switch {sc.overlapped_s * 1e3:.2f} ms", secs, sc.overlapped_s, sc.blocking_s, horizon)
+        keep_reason = "; ".join(reasons) or "no better layout"
+        return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon)

@@ -1,0 +1,196 @@
+"""Hardware profile θ: the constants the cost model turns per-rank loads into seconds with.
+
+Paper §4.2: θ is the group size T, device memory, compute rate, weight-read, KV-read and
+interconnect bandwidths and fixed collective latency, calibrated once per deployment. This file
+holds the record, presets from public specs, and YAML load/save. A calibration command (elsewhere)
+measures the actual group and writes the same YAML.
+
+Preset numbers (per GPU, all "achievable", i.e. spec peak times an efficiency factor):
+
+* matmul: dense tensor-core peak x 0.55. Large-batch GEMMs reach 60-75 % of peak; MoE grouped
+  GEMMs with few rows per expert and fp8 block scaling reach less, so 0.55 is a middle value.
+  ``matmul_flops`` is the rate for the checkpoint's weight dtype (fp8 presets: the fp8 peak).
+* attention: bf16 peak x 0.45 (FlashMLA-class absorbed-MLA kernels on long histories reach about
+  half of the bf16 peak; the fp8 DSA indexer is counted at the same rate, a conservative choice).
+* HBM: spec bandwidth x 0.80 for weight reads (large contiguous reads) and x 0.70 for KV reads
+  (paged gathers of 656-byte rows are less efficient).
+* NVLink: the per-direction bandwidth (half the bidirectional spec) x 0.75 for all-gather and
+  all-to-all, and x 0.70 for all-reduce (bus bandwidth, ring / NVLS); latencies are the usual
+  8-GPU small-message NCCL figures (all-reduce about 12-20 us, all-gather / all-to-all 8-15 us).
+* per-step overhead (scheduling, sampling, launch of the step) 1.5 ms; per-layer launch overhead
+  15 us (kernels of one layer under CUDA graphs still pay per-kernel gaps).
+
+Memory is what the device reports (nvidia-smi MiB figures), not the marketing "GB".
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import yaml
+
+from splash_rollout.layout import GiB, MiB
+
+COLLECTIVES = ("all_gather", "all_to_all", "all_reduce")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Time of one collective: ``latency_s + bytes_per_rank / bandwidth_Bps``."""
+
+    latency_s: float
+    """Fixed cost of one call (s)."""
+    bandwidth_Bps: float
+    """Bytes per second one rank moves (sent or received, whichever is larger), B/s."""
+
+    def time(self, bytes_per_rank: float) -> float:
+        """Seconds for one call that moves ``bytes_per_rank`` on the busiest rank (0 bytes: 0 s)."""
+        if bytes_per_rank <= 0:
+            return 0.0
+        return self.latency_s + bytes_per_rank / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """θ for one group of T ranks (one NVLink island)."""
+
+    name: str
+    world_size: int
+    """T: ranks in the attention group."""
+    memory_bytes: int
+    """Device memory per rank (bytes)."""
+    mem_fraction: float
+    """Share of memory the engine uses (SGLang mem_fraction_static)."""
+    matmul_flops: float
+    """Achievable GEMM rate for the weight dtype (FLOP/s per rank)."""
+    attention_flops: float
+    """Achievable rate of the attention and indexer kernels (FLOP/s per rank)."""
+    weight_read_Bps: float
+    """HBM bandwidth for weight reads (B/s per rank)."""
+    kv_read_Bps: float
+    """HBM bandwidth for KV reads (B/s per rank)."""
+    all_gather: CollectiveCost
+    all_to_all: CollectiveCost
+    all_reduce: CollectiveCost
+    step_overhead_s: float = 1.5e-3
+    """Fixed cost of one serving step (scheduling, sampling, launch), s."""
+    layer_overhead_s: float = 15e-6
+    """Fixed cost per decoder layer per step (kernel gaps), s."""
+    reserve_bytes: int = 0
+    """Transient reserve kept out of the KV pool (bytes), on top of mem_fraction."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size: expected a positive integer, got {self.world_size}")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"memory_bytes: expected a positive size, got {self.memory_bytes}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction: expected a value in (0, 1], got {self.mem_fraction}")
+        for f in ("matmul_flops", "attention_flops", "weight_read_Bps", "kv_read_Bps"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"{f}: expected a positive number, got {getattr(self, f)}")
+        for c in COLLECTIVES:
+            cost = getattr(self, c)
+            if cost.latency_s < 0 or not cost.bandwidth_Bps > 0:
+                raise ValueError(f"{c}: expected latency_s >= 0 and bandwidth_Bps > 0, got {cost}")
+        for f in ("step_overhead_s", "layer_overhead_s", "reserve_bytes"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f}: expected a non-negative number, got {getattr(self, f)}")
+
+    def replace(self, **changes: Any) -> "HardwareProfile":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "profile") -> "HardwareProfile":
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{source}: expected a mapping of profile fields, got {type(raw).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise ValueError(f"{source}: unknown field {unknown[0]!r}")
+        kwargs: dict[str, Any] = {}
+        for name, f in fields.items():
+            if name not in raw:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"{source}: missing field {name!r}")
+                continue
+            value = raw[name]
+            try:
+                if name in COLLECTIVES:
+                    if not isinstance(value, Mapping) or set(value) != {"latency_s", "bandwidth_Bps"}:
+                        raise ValueError("expected {latency_s, bandwidth_Bps}")
+                    value = CollectiveCost(float(value["latency_s"]), float(value["bandwidth_Bps"]))
+                elif name == "name":
+                    value = str(value)
+                elif name in ("world_size", "memory_bytes", "reserve_bytes"):
+                    if isinstance(value, bool) or float(value) != int(float(value)):
+                        raise ValueError("expected an integer")
+                    value = int(float(value))
+                else:
+                    if isinstance(value, bool):
+                        raise ValueError("expected a number")
+                    value = float(value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{source}: bad field {name!r}: {e} (got {raw[name]!r})") from None
+            kwargs[name] = value
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+def _nvlink_gpu(name: str, memory_mib: int, mem_fraction: float, bf16_tflops: float, fp8_tflops: float,
+                hbm_TBps: float, nvlink_bidir_GBps: float) -> HardwareProfile:
+    link = nvlink_bidir_GBps * 1e9 / 2  # per direction
+    return HardwareProfile(
+        name=name, world_size=8, memory_bytes=memory_mib * MiB, mem_fraction=mem_fraction,
+        matmul_flops=fp8_tflops * 1e12 * 0.55, attention_flops=bf16_tflops * 1e12 * 0.45,
+        weight_read_Bps=hbm_TBps * 1e12 * 0.80, kv_read_Bps=hbm_TBps * 1e12 * 0.70,
+        all_gather=CollectiveCost(10e-6, link * 0.75), all_to_all=CollectiveCost(12e-6, link * 0.75),
+        all_reduce=CollectiveCost(15e-6, link * 0.70))
+
+
+PRESETS: dict[str, HardwareProfile] = {
+    # H100 SXM: 80 GB HBM3 (81,559 MiB reported), 3.35 TB/s, 989 TFLOP/s bf16 / 1,979 fp8 dense,
+    # NVLink4 900 GB/s bidirectional.
+    "h100": _nvlink_gpu("h100", 81_559, 0.85, 989.0, 1979.0, 3.35, 900.0),
+    # H200 SXM: 141 GB HBM3e (143,771 MiB), 4.8 TB/s, same compute and NVLink as H100.
+    "h200": _nvlink_gpu("h200", 143_771, 0.90, 989.0, 1979.0, 4.8, 900.0),
+    # B200: 180 GB usable HBM3e (183,359 MiB), ~8 TB/s, 2.25 PFLOP/s bf16 / 4.5 fp8 dense,
+    # NVLink5 1.8 TB/s bidirectional.
+    "b200": _nvlink_gpu("b200", 183_359, 0.85, 2250.0, 4500.0, 8.0, 1800.0),
+    # A placeholder for unit tests and the CPU engine: two ranks, slow everything.
+    "cpu": HardwareProfile(
+        name="cpu", world_size=2, memory_bytes=4 * GiB, mem_fraction=0.5, matmul_flops=50e9,
+        attention_flops=20e9, weight_read_Bps=20e9, kv_read_Bps=10e9,
+        all_gather=CollectiveCost(50e-6, 5e9), all_to_all=CollectiveCost(60e-6, 5e9),
+        all_reduce=CollectiveCost(60e-6, 4e9), step_overhead_s=1e-3, layer_overhead_s=20e-6),
+}
+
+
+def load_profile(source: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+    """A preset name, a YAML file written by ``save_profile``, or a profile → HardwareProfile."""
+    if isinstance(source, HardwareProfile):
+        return source
+    key = os.fspath(source)
+    if key.lower() in PRESETS:
+        return PRESETS[key.lower()]
+    if not os.path.isfile(key):
+        raise ValueError(f"hardware: unknown preset or file {key!r}; presets are {sorted(PRESETS)}")
+    try:
+        with open(key) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"hardware: {key!r} is not valid YAML ({str(e).splitlines()[0]})") from None
+    return HardwareProfile.from_dict(raw, source=f"hardware {key!r}")
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(profile.to_dict(), f, sort_keys=False)

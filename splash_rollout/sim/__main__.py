@@ -1,0 +1,140 @@
+"""``python -m splash_rollout.sim``: GPU-scale simulation on the cost model.
+
+Verbs: ``sweep`` (leading fixed layout per input length, paper §5.2) and ``drain`` (a draining
+rollout in each fixed layout and adaptively). ``--json`` writes the result, ``--png`` a figure.
+Bad input prints one line naming the option and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from splash_rollout.models.config import resolve_model
+from splash_rollout.scheduling import Deployment, load_profile
+from splash_rollout.sim.core import SimConfig
+from splash_rollout.sim.runs import DEFAULT_INPUTS, drain, drain_workload, sweep
+
+PROG = "python -m splash_rollout.sim"
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message names the option."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
+
+def _int(option: str, minimum: int = 1):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise UsageError(f"{option}: expected an integer, got {text!r}") from None
+        if v < minimum:
+            raise UsageError(f"{option}: expected an integer >= {minimum}, got {v}")
+        return v
+    return parse
+
+
+def _ints(option: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise UsageError(f"{option}: expected comma-separated integers, got {text!r}") from None
+        if not vals or min(vals) < 1:
+            raise UsageError(f"{option}: expected positive integers, got {text!r}")
+        return vals
+    return parse
+
+
+def _pair(option: str):
+    def parse(text: str) -> tuple[float, float]:
+        parts = text.split(",")
+        try:
+            a, b = (float(x) for x in parts)
+        except ValueError:
+            raise UsageError(f"{option}: expected two comma-separated numbers, got {text!r}") from None
+        if b < 0:
+            raise UsageError(f"{option}: sigma must be non-negative, got {b}")
+        return a, b
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    for name in ("sweep", "drain"):
+        s = sub.add_parser(name)
+        s.add_argument("--hardware", default="b200", help="b200 | h200 | h100 | cpu | PROFILE.yaml")
+        s.add_argument("--model", default="glm-5", help="preset name or checkpoint folder")
+        s.add_argument("--chunk", type=_int("--chunk"), default=16384, help="prefill rows per step")
+        s.add_argument("--json", dest="json_out", default=None, help="write the result here ('-': stdout)")
+        s.add_argument("--png", default=None, help="write a figure here")
+        if name == "sweep":
+            s.add_argument("--batch", type=_int("--batch"), default=16)
+            s.add_argument("--inputs", type=_ints("--inputs"), default=DEFAULT_INPUTS)
+            s.add_argument("--output-len", type=_int("--output-len"), default=1024)
+        else:
+            s.add_argument("--prompts", type=_int("--prompts"), default=512)
+            s.add_argument("--samples", type=_int("--samples"), default=16)
+            s.add_argument("--prompt-len", type=_ints("--prompt-len"), default=(2048,),
+                           help="L or LO,HI (uniform per prompt)")
+            s.add_argument("--response-lognormal", type=_pair("--response-lognormal"), default=(8.0, 1.0),
+                           help="MU,SIGMA of the response length")
+            s.add_argument("--max-response", type=_int("--max-response"), default=65536)
+            s.add_argument("--seed", type=_int("--seed", 0), default=0)
+    return p
+
+
+def _deployment(args) -> Deployment:
+    try:
+        model = resolve_model(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(f"--model: {e}") from None
+    try:
+        profile = load_profile(args.hardware)
+    except ValueError as e:
+        raise UsageError(f"--hardware: {e}") from None
+    return Deployment.build(model, profile)
+
+
+def main(argv=None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        dep = _deployment(args)
+        cfg = SimConfig(chunk_tokens=args.chunk)
+        if args.verb == "sweep":
+            result = sweep(dep, args.batch, args.inputs, args.output_len, cfg)
+            summary = "  ".join(f"{k}:{v}" for k, v in result["leaders"].items())
+        else:
+            pl = args.prompt_len
+            if len(pl) > 2 or pl[0] > pl[-1]:
+                raise UsageError(f"--prompt-len: expected L or LO,HI with LO <= HI, got {','.join(map(str, pl))}")
+            work = drain_workload(args.prompts, args.samples, (pl[0], pl[-1]), args.response_lognormal,
+                                  args.max_response, args.seed)
+            result = drain(dep, work, cfg)
+            summary = (" ".join(f"{k}:{v:.0f}" for k, v in result["tokens_per_s"].items())
+                       + f"  ratio={result['ratio_adaptive_vs_best_fixed']:.3f}")
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=1)
+    if args.json_out == "-":
+        print(text)
+    else:
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                f.write(text)
+        print(summary)
+    if args.png:
+        from splash_rollout.sim.plots import plot_drain, plot_sweep
+        (plot_sweep if args.verb == "sweep" else plot_drain)(result, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

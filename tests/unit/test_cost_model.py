@@ -1,0 +1,179 @@
+"""Cost model t_ℓ(x; θ), hardware profiles and switch costs (pure, CPU only)."""
+import math
+
+import numpy as np
+import pytest
+
+from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, all_switches
+from splash_rollout.scheduling import (PRESETS, Deployment, HardwareProfile, StepBatch, load_profile,
+                                       overlapped_seconds, save_profile, step_time, step_times, switch_cost)
+from splash_rollout.sim import sweep
+
+
+@pytest.fixture(scope="module")
+def glm_b200():
+    return Deployment.build("glm-5", "b200")
+
+
+def _uniform(b, ctx, q, t=8):
+    return StepBatch.make([ctx] * b, [q] * b, np.arange(b) % t)
+
+
+def _cost(dep, layout, batch, pools=None):
+    return step_time(layout, batch, dep.model, dep.profile, dep.sizes, pools)
+
+
+# ---- Table 2 loads ------------------------------------------------------------------------------
+
+def test_tp_reads_every_history_owner_layouts_read_their_share(glm_b200):
+    short, long_ = _uniform(16, 4096, 1), _uniform(16, 65536, 1)
+    growth = {l: _cost(glm_b200, l, long_).stages["indexer"] - _cost(glm_b200, l, short).stages["indexer"]
+              for l in ALL_LAYOUTS}
+    # TP scans B histories per rank, CP Σs/T, DP/DOP ⌈B/T⌉ of them: 8x less at B=16, T=8
+    assert growth[Layout.TP] == pytest.approx(8 * growth[Layout.DP], rel=1e-6)
+    assert growth[Layout.DP] == pytest.approx(growth[Layout.DOP], rel=1e-6)
+    assert growth[Layout.CP] == pytest.approx(growth[Layout.DP], rel=1e-6)
+
+
+def test_sharded_layouts_read_a_slice_of_the_projections(glm_b200):
+    b = _uniform(16, 4096, 1)
+    proj = {l: _cost(glm_b200, l, b).stages["attn_proj"] for l in ALL_LAYOUTS}
+    assert proj[Layout.TP] == pytest.approx(proj[Layout.DOP])
+    assert proj[Layout.DP] > 5 * proj[Layout.DOP]  # W_A vs W_A / T, weight-read bound in decode
+
+
+def test_busiest_owner_sets_owner_layout_attention(glm_b200):
+    balanced = _uniform(16, 32768, 1)
+    skewed = StepBatch.make([32768] * 16, 1, np.zeros(16, dtype=np.int64))
+    for l in (Layout.DP, Layout.DOP):
+        assert _cost(glm_b200, l, skewed).stages["attention"] == pytest.approx(
+            8 * _cost(glm_b200, l, balanced).stages["attention"], rel=1e-6)
+    # TP and CP do not care who owns what
+    assert _cost(glm_b200, Layout.TP, skewed).seconds == pytest.approx(_cost(glm_b200, Layout.TP, balanced).seconds)
+
+
+def test_dsa_caps_attention_but_not_the_indexer(glm_b200):
+    a, b = _uniform(16, 100_000, 1), _uniform(16, 200_000, 1)
+    ca, cb = _cost(glm_b200, Layout.DP, a), _cost(glm_b200, Layout.DP, b)
+    assert ca.stages["attention"] == pytest.approx(cb.stages["attention"])
+    assert cb.stages["indexer"] > 1.5 * ca.stages["indexer"]
+
+
+def test_dense_attention_grows_with_context():
+    dep = Deployment.build("deepseek-v3", "h200")
+    a, b = _uniform(16, 16384, 1), _uniform(16, 65536, 1)
+    assert _cost(dep, Layout.DP, b).stages["attention"] > 3 * _cost(dep, Layout.DP, a).stages["attention"]
+    assert _cost(dep, Layout.DP, a).stages["indexer"] == 0.0
+
+
+def test_cp_picks_pass_kv_for_long_prefill_and_pass_q_for_decode(glm_b200):
+    assert _cost(glm_b200, Layout.CP, StepBatch.make([131072], [16384], [0])).variant == "pass-kv"
+    assert _cost(glm_b200, Layout.CP, _uniform(16, 131072, 1)).variant == "pass-q"
+
+
+def test_a_layout_that_cannot_hold_the_batch_costs_inf(glm_b200):
+    b = _uniform(16, 200_000, 1)
+    c = _cost(glm_b200, Layout.TP, b, glm_b200.pools)
+    assert math.isinf(c.seconds) and not c.feasible and "does not fit" in c.reason
+    times = step_times(b, glm_b200.model, glm_b200.profile, glm_b200.sizes, glm_b200.pools)
+    assert set(times) == set(ALL_LAYOUTS) and math.isinf(times[Layout.TP])
+    assert all(math.isfinite(times[l]) for l in (Layout.CP, Layout.DP, Layout.DOP))
+
+
+def test_stage_breakdown_adds_up(glm_b200):
+    c = _cost(glm_b200, Layout.DOP, _uniform(16, 8192, 512))
+    assert sum(c.stages.values()) == pytest.approx(c.seconds)
+    assert len(c.layer_seconds) == glm_b200.model.num_layers
+    assert sum(c.layer_seconds) < c.seconds
+
+
+# ---- the paper's ordering (§5.2, B=16, GLM-5 on B200) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def b16_sweep(glm_b200):
+    return sweep(glm_b200, 16, tuple(1024 * k for k in (1, 4, 16, 64, 128, 512)))
+
+
+def test_sweep_short_inputs_tp_middle_dp(b16_sweep):
+    lead = b16_sweep["leaders"]
+    assert lead["1024"] == "tp" and lead["4096"] == "tp"  # paper: TP at 1K-4K
+    assert lead["16384"] == "dp" and lead["65536"] == "dp"  # paper: DP-attention at 16K-64K
+    for length in ("65536", "131072", "524288"):  # TP's replicated KV and indexer lose at long inputs
+        tps = b16_sweep["tokens_per_s"][length]
+        assert tps["tp"] < min(tps["cp"], tps["dp"], tps["dop"])
+
+
+@pytest.mark.xfail(strict=True, reason="spec-calibrated model: at B=16 (T | B) DP-attention's balanced owners "
+                   "match CP's position split and pay less exchange than DOP, so DP stays ahead at 128K-512K; "
+                   "the paper's CP@128K / DOP@256K-512K lead is 3-11% and needs measured θ")
+def test_sweep_long_inputs_follow_the_paper(b16_sweep):
+    assert b16_sweep["leaders"]["131072"] == "cp" and b16_sweep["leaders"]["524288"] == "dop"
+
+
+# ---- switch costs ---------------------------------------------------------------------------------
+
+def test_switch_cost_ordering_at_256k(glm_b200):
+    dep = glm_b200
+    kv = BatchKV.uniform(16, 262144, 8)
+    step = _uniform(16, 262144 + 1024, 1024)
+    costs = {}
+    for plan in all_switches(dep.sizes, kv, 8):
+        dst = _cost(dep, plan.dst, step)
+        costs[(plan.src, plan.dst)] = switch_cost(plan, dep.profile, dst.layer_seconds)
+    assert costs[(Layout.TP, Layout.DOP)].blocking_s == 0.0
+    assert costs[(Layout.DP, Layout.DOP)].blocking_s == 0.0
+    # into TP does not fit at this size; among the rest DOP -> CP (weights + KV) costs most
+    fitting = {k: v for k, v in costs.items() if k[1] is not Layout.TP}
+    assert max(fitting, key=lambda k: fitting[k].blocking_s) == (Layout.DOP, Layout.CP)
+    for k, c in costs.items():
+        if c.blocking_s > 0:
+            assert c.overlapped_s < 0.05 * c.blocking_s, k
+
+
+def test_overlap_formula():
+    assert overlapped_seconds([1.0, 1.0, 3.0], [2.0, 2.0, 2.0]) == pytest.approx(1.0 + 0 + 1.0)
+    assert overlapped_seconds([], 1.0) == 0.0
+    plan = SwitchPlan.build("dop", "cp", Deployment.build("glm5-nano", "cpu").sizes, BatchKV.uniform(2, 64, 2), 2)
+    c = switch_cost(plan, PRESETS["cpu"], 0.0)
+    assert c.overlapped_s == pytest.approx(c.blocking_s)  # nothing to hide behind
+
+
+# ---- profiles -------------------------------------------------------------------------------------
+
+def test_presets_follow_public_specs():
+    b, h, h1 = PRESETS["b200"], PRESETS["h200"], PRESETS["h100"]
+    assert b.world_size == h.world_size == 8
+    assert b.memory_bytes > h.memory_bytes > h1.memory_bytes
+    assert b.weight_read_Bps > h.weight_read_Bps > h1.weight_read_Bps
+    assert h.matmul_flops == h1.matmul_flops < b.matmul_flops
+    assert b.all_to_all.bandwidth_Bps == pytest.approx(2 * h.all_to_all.bandwidth_Bps)
+
+
+def test_profile_yaml_round_trip(tmp_path):
+    for name in ("b200", "cpu"):
+        path = tmp_path / f"{name}.yaml"
+        save_profile(PRESETS[name], path)
+        assert load_profile(str(path)) == PRESETS[name]
+
+
+def test_profile_errors_name_the_field(tmp_path):
+    import yaml
+    raw = PRESETS["h100"].to_dict()
+    del raw["kv_read_Bps"]
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="kv_read_Bps"):
+        load_profile(str(tmp_path / "a.yaml"))
+    raw = PRESETS["h100"].to_dict()
+    raw["all_reduce"] = {"latency_s": 1e-5}
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="all_reduce"):
+        load_profile(str(tmp_path / "b.yaml"))
+    raw = PRESETS["h100"].to_dict()
+    raw["mem_fraction"] = 1.5
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="mem_fraction"):
+        load_profile(str(tmp_path / "c.yaml"))
+    with pytest.raises(ValueError, match="hardware"):
+        load_profile("no-such-gpu")
+    with pytest.raises(ValueError, match="world_size"):
+        HardwareProfile.from_dict({**PRESETS["cpu"].to_dict(), "world_size": "two"})

@@ -1,0 +1,87 @@
+"""Policy π: fastest feasible layout, switch only when it pays, no thrash, owners by projected KV."""
+import numpy as np
+import pytest
+
+from splash_rollout.layout import ALL_LAYOUTS, Layout, fits
+from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, choose_owner
+
+
+@pytest.fixture(scope="module")
+def dep():
+    return Deployment.build("glm-5", "b200")
+
+
+def _batch(b, ctx, q=1, t=8):
+    return StepBatch.make([ctx] * b, [q] * b, np.arange(b) % t)
+
+
+def test_switches_when_the_lead_pays_over_the_horizon(dep):
+    pol = LayoutPolicy(dep)
+    b = _batch(16, 60_000, q=256)
+    d = pol.decide(Layout.TP, b, remaining_tokens=np.full(16, 1000), steps_in_layout=100)
+    assert d.switch and d.chosen is not Layout.TP and d.current is Layout.TP
+    assert d.step_costs["tp"] > d.step_costs[d.chosen.value]
+    assert 0 < d.switch_cost_s <= d.blocking_cost_s
+    assert d.to_dict()["chosen"] == d.chosen.value
+
+
+def test_keeps_the_layout_when_the_horizon_is_too_short(dep):
+    pol = LayoutPolicy(dep, PolicyConfig(rel_margin=0.01))
+    b = _batch(16, 60_000)  # decode: DP-attention leads TP by a few percent per step
+    d = pol.decide(Layout.TP, b, remaining_tokens=np.full(16, 1), steps_in_layout=100)
+    assert d.step_costs["dp"] < d.step_costs["tp"]
+    assert not d.switch and d.chosen is Layout.TP and "switch" in d.reason
+
+
+def test_initial_choice_is_the_fastest_feasible(dep):
+    d = LayoutPolicy(dep).decide(None, _batch(16, 2048), np.full(16, 1024))
+    finite = {k: v for k, v in d.step_costs.items() if np.isfinite(v)}
+    assert d.chosen.value == min(finite, key=finite.get) and not d.switch
+
+
+def test_no_thrash_on_an_oscillating_load(dep):
+    pol = LayoutPolicy(dep, PolicyConfig(min_dwell_steps=16))
+    short, long_ = _batch(16, 1024), _batch(16, 40_000)
+    layout, in_layout, switches = None, 0, 0
+    for step in range(400):
+        batch = short if (step // 3) % 2 == 0 else long_  # the load flips every 3 steps
+        d = pol.decide(layout, batch, remaining_tokens=np.full(16, 6), steps_in_layout=in_layout)
+        if layout is not None and d.chosen is not layout:
+            switches += 1
+            in_layout = 0
+        layout = d.chosen
+        in_layout += 1
+    assert switches <= 1
+
+
+def test_dwell_blocks_a_switch_right_after_one(dep):
+    pol = LayoutPolicy(dep, PolicyConfig(min_dwell_steps=50))
+    d = pol.decide(Layout.TP, _batch(16, 60_000, q=256), np.full(16, 5000), steps_in_layout=3)
+    assert not d.switch and "dwell" in d.reason
+
+
+def test_never_switches_into_a_layout_that_cannot_hold_the_batch(dep):
+    pol = LayoutPolicy(dep, PolicyConfig(min_dwell_steps=0, rel_margin=0.0, abs_margin_s=0.0))
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        b = int(rng.integers(1, 48))
+        ctx = rng.integers(1_000, 400_000, size=b)
+        reserved = ctx + rng.integers(0, 200_000, size=b)
+        batch = StepBatch.make(ctx, 1, np.arange(b) % 8)
+        cur = Layout(rng.choice([l.value for l in ALL_LAYOUTS]))
+        d = pol.decide(cur, batch, np.full(b, 10_000), steps_in_layout=1000, reserved=reserved)
+        if d.switch:
+            assert fits(d.chosen, reserved, dep.pools[d.chosen], 8, batch.owners), d.reason
+
+
+def test_forced_out_of_a_layout_that_overflows(dep):
+    batch = _batch(16, 100_000)  # 1.6M tokens: TP's replicated pool cannot hold it
+    d = LayoutPolicy(dep).decide(Layout.TP, batch, np.full(16, 100), steps_in_layout=0)
+    assert d.switch and d.chosen is not Layout.TP and "cannot hold" in d.reason
+
+
+def test_choose_owner_least_projected_ties_low():
+    assert choose_owner([5, 3, 3, 9], 100) == 1
+    assert choose_owner([0, 0], 7) == 0
+    with pytest.raises(ValueError):
+        choose_owner([], 1)
