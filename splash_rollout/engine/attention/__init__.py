@@ -1,0 +1,30 @@
+"""Attention-backend registry: name → backend class, imported lazily (GPU backends only load on use)."""
+from __future__ import annotations
+
+import importlib
+
+from splash_rollout.engine.attention.base import AttentionBackend, causal_allowed
+
+_REGISTRY: dict[str, str] = {
+    "torch_ref": "splash_rollout.engine.attention.torch_ref:TorchRefBackend",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """target: ``"module.path:ClassName"``."""
+    _REGISTRY[name] = target
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str = "torch_ref") -> AttentionBackend:
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise ValueError(f"attention_backend: unknown {name!r}; registered: {available_backends()}")
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+__all__ = ["AttentionBackend", "causal_allowed", "get_backend", "register_backend", "available_backends"]

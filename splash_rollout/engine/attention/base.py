@@ -1,0 +1,38 @@
+"""AttentionBackend: absorbed MLA attention over paged latent KV, for one layer and one step.
+
+A backend receives the absorbed queries of every row of the step, reads each request's history
+from the pool through its slot table, and returns the latent attention output. Which positions a
+row may see arrives as ``allowed`` masks (causal, or a DSA top-k selection), so a backend does not
+know about indexers or layouts. ``torch_ref`` is the reference every other backend is checked
+against (with NaN-filled unused pages).
+"""
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from splash_rollout.engine.forward_batch import ForwardBatch
+    from splash_rollout.engine.kv_pool import KVPool
+
+
+def causal_allowed(start_pos: int, num_new: int, seq_len: int, device=None) -> torch.Tensor:
+    """Bool [num_new, seq_len]: row i (position start_pos + i) sees positions <= its own."""
+    q_pos = torch.arange(start_pos, start_pos + num_new, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+
+
+class AttentionBackend(abc.ABC):
+    name: str = "base"
+
+    @abc.abstractmethod
+    def forward(self, layer: int, q_nope_abs: torch.Tensor, q_pe: torch.Tensor, pool: "KVPool",
+                batch: "ForwardBatch", allowed: Sequence[torch.Tensor] | None, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_nope_abs: [N, H, kv_lora_rank]; q_pe: [N, H, qk_rope_head_dim];
+        allowed: per request Bool [num_new, seq_len] (None: causal)
+        → (out_latent [N, H, kv_lora_rank], lse [N, H] float32). The lse lets a layout that splits a
+        history over ranks (CP) merge partial results exactly. The new tokens' KV must already be in
+        the pool."""

@@ -1,0 +1,29 @@
+"""Pure-torch reference attention backend: gather each request's history, attend exactly.
+
+One ``absorbed_attention`` call per request (the model's own math), so correctness does not depend
+on padding or packing tricks. Slow but obviously right; GPU kernels are checked against it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from splash_rollout.engine.attention.base import AttentionBackend, causal_allowed
+from splash_rollout.models.attention_math import absorbed_attention
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(self, layer, q_nope_abs, q_pe, pool, batch, allowed: Sequence[torch.Tensor] | None, scale):
+        out = q_nope_abs.new_empty(q_nope_abs.shape)  # [N, H, r]
+        lse = torch.empty(q_nope_abs.shape[:2], dtype=torch.float32, device=q_nope_abs.device)  # [N, H]
+        for i, seq in enumerate(batch.seqs):
+            c_kv, k_pe = pool.read_kv(layer, seq.slots)  # [S, r], [S, rope]
+            mask = (allowed[i] if allowed is not None
+                    else causal_allowed(seq.start_pos, seq.num_new, seq.seq_len, q_pe.device))
+            rows = slice(seq.row_start, seq.row_end)
+            out[rows], lse[rows] = absorbed_attention(q_nope_abs[rows], q_pe[rows], c_kv.to(q_pe.dtype),
+                                                      k_pe.to(q_pe.dtype), mask, scale)
+        return out, lse

@@ -1,0 +1,1 @@
+"""Per-layout attention executors (single rank now; TP/DP/DOP/CP later)."""

@@ -1,0 +1,112 @@
+"""KVPool: the paged latent-KV memory of one rank.
+
+Per layer the pool holds ``kv: (num_pages, page_size, kv_lora_rank + qk_rope_head_dim)`` in the
+model dtype -- the MLA cache has no head axis -- and, for DSA layers that run their own indexer,
+``index_k: (num_pages, page_size, index_head_dim)``. Tokens are addressed by *slot*
+``page * page_size + offset``; page ids come from ``PageManager``. The pool never decides who owns
+a page, it only reads and writes slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splash_rollout.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVPoolSpec:
+    """What one rank caches per token, layer by layer (a rank view may hand in local numbers)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dims: tuple[int, ...]
+    """Per layer: indexer-key width cached by that layer, 0 when it caches none."""
+
+    @classmethod
+    def from_model(cls, config: ModelConfig) -> "KVPoolSpec":
+        dims = tuple(config.index_head_dim if config.layer_has_indexer_cache(i) else 0
+                     for i in range(config.num_layers))
+        return cls(config.kv_lora_rank, config.qk_rope_head_dim, dims)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.index_head_dims)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Cache bytes per token over all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return elem * (self.num_layers * self.kv_dim + sum(self.index_head_dims))
+
+    def num_pages_for_budget(self, budget_bytes: int, page_size: int, dtype: torch.dtype) -> int:
+        return int(budget_bytes // (self.bytes_per_token(dtype) * page_size))
+
+
+class KVPool:
+    def __init__(self, spec: KVPoolSpec, num_pages: int, page_size: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.spec = spec
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = dtype
+        self.kv: list[torch.Tensor] = [
+            torch.zeros(num_pages, page_size, spec.kv_dim, dtype=dtype, device=device)
+            for _ in range(spec.num_layers)]
+        """Per layer ``(num_pages, page_size, kv_lora_rank + qk_rope_head_dim)``: c_kv | k_pe."""
+        self.index_k: list[torch.Tensor | None] = [
+            torch.zeros(num_pages, page_size, d, dtype=dtype, device=device) if d else None
+            for d in spec.index_head_dims]
+        """Per layer ``(num_pages, page_size, index_head_dim)`` or None (no indexer cache)."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def fill_(self, value: float) -> None:
+        """Overwrite every slot (tests fill with NaN so any read of an unwritten slot shows)."""
+        for t in self.kv:
+            t.fill_(value)
+        for t in self.index_k:
+            if t is not None:
+                t.fill_(value)
+
+    # ---- writes ----------------------------------------------------------------------------
+    def write_kv(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """slots: [N] int64; c_kv: [N, kv_lora_rank]; k_pe: [N, qk_rope_head_dim]."""
+        flat = self.kv[layer].view(-1, self.spec.kv_dim)
+        r = self.spec.kv_lora_rank
+        flat[slots, :r] = c_kv.to(self.dtype)
+        flat[slots, r:] = k_pe.to(self.dtype)
+
+    def write_index_k(self, layer: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:
+        """slots: [N] int64; index_k: [N, index_head_dim]."""
+        cache = self.index_k[layer]
+        if cache is None:
+            raise RuntimeError(f"layer {layer} caches no indexer keys")
+        cache.view(-1, cache.shape[-1])[slots] = index_k.to(self.dtype)
+
+    # ---- reads -------------------------------------------------------------------------------
+    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots: [S] int64 → (c_kv [S, kv_lora_rank], k_pe [S, qk_rope_head_dim])."""
+        rows = self.kv[layer].view(-1, self.spec.kv_dim).index_select(0, slots)
+        r = self.spec.kv_lora_rank
+        return rows[:, :r], rows[:, r:]
+
+    def read_index_k(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """slots: [S] int64 → index_k [S, index_head_dim]."""
+        cache = self.index_k[layer]
+        if cache is None:
+            raise RuntimeError(f"layer {layer} caches no indexer keys")
+        return cache.view(-1, cache.shape[-1]).index_select(0, slots)
+
+
+def slots_for(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """Slots of token positions [start, end) of a request whose page table is ``pages``: [end-start] int64."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    table = torch.tensor(pages, dtype=torch.int64)
+    return table[pos // page_size] * page_size + pos % page_size

@@ -1,0 +1,28 @@
+"""ModelRunner: one forward step of the decoder over a ForwardBatch, with paged KV.
+
+The runner owns the layer loop (embedding → per layer: attention via the executor, then the MLP →
+logits of the sampled rows). It never looks at the layout: the attention executor does.
+"""
+from __future__ import annotations
+
+import torch
+
+from splash_rollout.engine.executors.base import AttentionExecutor
+from splash_rollout.engine.forward_batch import ForwardBatch, forward_context
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, executor: AttentionExecutor) -> None:
+        self.model = model
+        self.executor = executor
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """→ logits [R, vocab] for ``batch.sample_rows``."""
+        decoder = self.model.model
+        with forward_context(batch):
+            h = decoder.embed_tokens(batch.input_ids)  # [N, hidden]
+            for layer in decoder.layers:
+                h = h + self.executor.forward(layer.self_attn, layer.input_layernorm(h), batch)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            return self.model.compute_logits(h.index_select(0, batch.sample_rows))

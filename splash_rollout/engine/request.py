@@ -1,0 +1,112 @@
+"""Request: one sample's life inside the engine (one prompt, one seed, one response).
+
+The rollout layer turns each (prompt, sample j) into a ``Request``; the scheduler moves it
+waiting → running → finished and the model runner reads its page table. Token positions
+``[0, num_computed_tokens)`` have KV in the pool; the rest of ``token_ids`` is what still has to
+run (a prompt chunk, or the one token sampled last step).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from splash_rollout.engine.page_manager import num_pages_for
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Per-sample sampling settings as the engine sees them (the seed is already concrete)."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    """[num_prompt_tokens] token ids."""
+    spec: SamplingSpec
+    max_len: int
+    """Context limit: prompt + response never exceeds this many tokens."""
+    eos_token_ids: tuple[int, ...] = ()
+    output_ids: list[int] = field(default_factory=list)
+    """[num_output_tokens] sampled token ids."""
+    output_logprobs: list[float] = field(default_factory=list)
+    """[num_output_tokens] log-probability of each sampled token (see sampler.py)."""
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    """Page table: physical page of logical page i."""
+    num_reserved_pages: int = 0
+    """Pages still promised to this request by the page manager (reserve-on-admit)."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.spec.seed)
+
+    # ---- derived numbers -------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the request can ever hold: prompt + max_new_tokens, capped by the context."""
+        return min(self.num_prompt_tokens + self.spec.max_new_tokens, self.max_len)
+
+    def pages_needed(self, page_size: int) -> int:
+        """Worst-case page count (what admission reserves)."""
+        return num_pages_for(self.max_total_tokens, page_size)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    # ---- transitions -------------------------------------------------------------------------
+    def append_token(self, token: int, logprob: float) -> None:
+        """Record a sampled token and decide whether the request stops here."""
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if not self.spec.ignore_eos and token in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif token in self.spec.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.spec.max_new_tokens or self.num_tokens >= self.max_len:
+            self.finish_reason = "length"

@@ -1,0 +1,87 @@
+"""Rollout data types: SamplingParams in, RolloutBatch (groups of samples + layout timeline) out."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt (one group)."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: float = 0.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    """Sample j of the prompt gets a seed derived from (seed, j); None derives it from the engine's
+    seed, a per-call counter and the prompt index. Same seed, same tokens, whatever the batch."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n: expected >= 1, got {self.n}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k: expected -1 (off) or >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: expected in [0, 1], got {self.min_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    """[num_prompt_tokens]"""
+    response_ids: list[int]
+    """[num_response_tokens]"""
+    response_logprobs: list[float]
+    """[num_response_tokens] log p(token) under log_softmax(logits / temperature), before truncation."""
+    finish_reason: str
+    """``stop`` (eos / stop token), ``length`` (max_new_tokens or context) or ``abort``."""
+    seed: int
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """[num_response_tokens] 1 for every generated token (no tool / env tokens yet)."""
+        return [1] * len(self.response_ids)
+
+
+@dataclass
+class SampleGroup:
+    prompt_index: int
+    samples: list[Sample]
+
+
+@dataclass
+class Timeline:
+    """Layout timeline of one generate call (phases of one layout, and the switches between them)."""
+
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    """Each: layout, t_start, t_end, steps, batch_size (max), tokens."""
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    """Each: step, from, to, bytes_sent, bytes_received, overhead_s."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RolloutBatch:
+    groups: list[SampleGroup]
+    timeline: Timeline = field(default_factory=Timeline)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Slash-named records of the call (``rollout/*``, ``perf/*``, ``timing_s/*``)."""
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
