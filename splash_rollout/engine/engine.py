@@ -13,10 +13,12 @@ from splash_rollout.engine.executors.single import SingleRankExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.engine.model_runner import ModelRunner
-from splash_rollout.engine.page_manager import PageManager
+from splash_rollout.engine.placement import KVPlacement
+from splash_rollout.engine.projections import slice_projections
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.sampler import sample
 from splash_rollout.engine.scheduler import Scheduler, ScheduledSeq
+from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import ModelConfig
 
 
@@ -30,10 +32,12 @@ class Engine:
         self.config = config
         self.device = torch.device(device)
         self.page_size = page_size
-        self.pages = PageManager(num_pages, page_size)
+        self.placement = KVPlacement([num_pages], page_size, Layout.TP)
+        self.pages = self.placement.managers[0]
         self.pool = KVPool(pool_spec or KVPoolSpec.from_model(config), num_pages, page_size, dtype, device)
-        self.scheduler = Scheduler(self.pages, max_num_batched_tokens, max_num_seqs)
-        self.runner = ModelRunner(model, SingleRankExecutor(self.pool, get_backend(attention_backend)))
+        self.scheduler = Scheduler(self.placement, max_num_batched_tokens, max_num_seqs)
+        shards = [slice_projections(layer.self_attn, slice(0, config.num_heads)) for layer in model.model.layers]
+        self.runner = ModelRunner(model, SingleRankExecutor(self.pool, get_backend(attention_backend), shards))
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:

@@ -14,7 +14,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from splash_rollout.engine.kv_pool import slots_for
 
 
 @dataclass
@@ -28,7 +27,12 @@ class SeqInfo:
     seq_len: int
     """History length after this step (positions [0, seq_len) are in the pool once KV is written)."""
     slots: torch.Tensor
-    """[seq_len] int64: pool slot of every history position (the new tokens are the last num_new)."""
+    """[S_local] int64: pool slot of every history position this rank stores, in position order
+    (on a rank that stores the whole history S_local = seq_len and the new tokens are the last num_new)."""
+    key_positions: torch.Tensor | None = None
+    """[S_local] int64: the positions ``slots`` hold; None means all of [0, seq_len)."""
+    owner: int = 0
+    """Owner rank of the request (DP-attention / DOP)."""
 
     @property
     def row_end(self) -> int:
@@ -37,6 +41,13 @@ class SeqInfo:
     @property
     def start_pos(self) -> int:
         return self.seq_len - self.num_new
+
+    def causal_mask(self, device=None) -> torch.Tensor:
+        """Bool [num_new, S_local]: new row i (position start_pos + i) sees stored positions <= its own."""
+        q_pos = torch.arange(self.start_pos, self.seq_len, device=device)
+        keys = (self.key_positions.to(device) if self.key_positions is not None
+                else torch.arange(self.seq_len, device=device))
+        return keys[None, :] <= q_pos[:, None]
 
 
 @dataclass
@@ -58,20 +69,31 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def build(cls, items: Sequence[tuple[list[int], int, int, list[int], bool]], page_size: int,
-              device: str | torch.device = "cpu") -> "ForwardBatch":
-        """items: per request (token_ids, start, num_new, page table, samples_this_step)."""
-        ids, pos, seqs, sample_rows = [], [], [], []
+    def build(cls, items: Sequence[tuple], page_size: int, device: str | torch.device = "cpu") -> "ForwardBatch":
+        """items: per request (token_ids, start, num_new, page table, samples_this_step[, owner]).
+
+        The page table is this rank's: -1 marks logical pages stored elsewhere (CP, or DP/DOP
+        requests owned by another rank); their positions are left out of ``slots`` and their new
+        tokens get out slot -1 (not written here)."""
+        ids, pos, seqs, sample_rows, out_slots = [], [], [], [], []
         row = 0
-        for token_ids, start, num_new, pages, samples in items:
+        for token_ids, start, num_new, pages, samples, *rest in items:
             end = start + num_new
             ids.extend(token_ids[start:end])
             pos.extend(range(start, end))
-            seqs.append(SeqInfo(row, num_new, end, slots_for(pages, 0, end, page_size).to(device)))
+            table = torch.tensor(pages, dtype=torch.int64)
+            all_pos = torch.arange(end, dtype=torch.int64)
+            phys = table[all_pos // page_size] if end else table[:0]
+            here = phys >= 0
+            slot_all = torch.where(here, phys * page_size + all_pos % page_size, torch.full_like(phys, -1))
+            whole = bool(here.all())
+            seqs.append(SeqInfo(row, num_new, end, slot_all[here].to(device),
+                                None if whole else all_pos[here].to(device), rest[0] if rest else 0))
+            out_slots.append(slot_all[start:end])
             if samples:
                 sample_rows.append(row + num_new - 1)
             row += num_new
-        out_slots = (torch.cat([s.slots[s.start_pos:] for s in seqs]) if seqs
+        out_slots = (torch.cat(out_slots).to(device) if seqs
                      else torch.empty(0, dtype=torch.int64, device=device))
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

@@ -77,17 +77,23 @@ class KVPool:
 
     # ---- writes ----------------------------------------------------------------------------
     def write_kv(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """slots: [N] int64; c_kv: [N, kv_lora_rank]; k_pe: [N, qk_rope_head_dim]."""
+        """slots: [N] int64 (-1: stored on another rank, skipped); c_kv: [N, kv_lora_rank]; k_pe: [N, rope]."""
+        if bool((slots < 0).any()):
+            here = slots >= 0
+            slots, c_kv, k_pe = slots[here], c_kv[here], k_pe[here]
         flat = self.kv[layer].view(-1, self.spec.kv_dim)
         r = self.spec.kv_lora_rank
         flat[slots, :r] = c_kv.to(self.dtype)
         flat[slots, r:] = k_pe.to(self.dtype)
 
     def write_index_k(self, layer: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:
-        """slots: [N] int64; index_k: [N, index_head_dim]."""
+        """slots: [N] int64 (-1: stored on another rank, skipped); index_k: [N, index_head_dim]."""
         cache = self.index_k[layer]
         if cache is None:
             raise RuntimeError(f"layer {layer} caches no indexer keys")
+        if bool((slots < 0).any()):
+            here = slots >= 0
+            slots, index_k = slots[here], index_k[here]
         cache.view(-1, cache.shape[-1])[slots] = index_k.to(self.dtype)
 
     # ---- reads -------------------------------------------------------------------------------

@@ -53,10 +53,12 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     """[num_output_tokens] log-probability of each sampled token (see sampler.py)."""
     num_computed_tokens: int = 0
-    pages: list[int] = field(default_factory=list)
-    """Page table: physical page of logical page i."""
-    num_reserved_pages: int = 0
-    """Pages still promised to this request by the page manager (reserve-on-admit)."""
+    owner: int = 0
+    """Owner rank (DP-attention / DOP store the history there); chosen at admission, never changed."""
+    rank_pages: list[list[int]] = field(default_factory=list)
+    """[T][num_logical_pages]: physical page of logical page i on each rank, -1 where not stored."""
+    reserved_per_rank: list[int] = field(default_factory=list)
+    """[T] pages still promised to this request on each rank (reserve-on-admit)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -66,6 +68,15 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.spec.seed)
 
     # ---- derived numbers -------------------------------------------------------------------
+    @property
+    def pages(self) -> list[int]:
+        """Rank 0's page table (the whole table on a single rank)."""
+        return self.rank_pages[0] if self.rank_pages else []
+
+    @property
+    def num_logical_pages(self) -> int:
+        return len(self.rank_pages[0]) if self.rank_pages else 0
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splash_rollout.engine.page_manager import PageManager, num_pages_for
+from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.request import Request, RequestStatus
 
 
@@ -35,12 +35,12 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, pages: PageManager, max_num_batched_tokens: int, max_num_seqs: int = 256) -> None:
+    def __init__(self, placement: KVPlacement, max_num_batched_tokens: int, max_num_seqs: int = 256) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected >= 1, got {max_num_seqs}")
-        self.pages = pages
+        self.placement = placement
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -51,12 +51,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def can_ever_admit(self, request: Request) -> bool:
-        return request.pages_needed(self.pages.page_size) <= self.pages.num_pages
+        return self.placement.can_ever_admit(request)
 
     def add(self, request: Request) -> None:
         if not self.can_ever_admit(request):
             raise ValueError(f"num_pages: request {request.request_id} needs "
-                             f"{request.pages_needed(self.pages.page_size)} pages, the pool has {self.pages.num_pages}")
+                             f"{request.pages_needed(self.placement.page_size)} pages, more than the "
+                             f"{self.placement.layout} pools hold ({[m.num_pages for m in self.placement.managers]})")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -74,12 +75,10 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            need = req.pages_needed(self.pages.page_size)
-            if not self.pages.can_reserve(need):
+            if not self.placement.can_admit(req):
                 break  # FIFO: later requests wait behind the head so long prompts are not starved
             self.waiting.popleft()
-            self.pages.reserve(need)
-            req.num_reserved_pages = need
+            self.placement.admit(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             n = min(req.num_uncomputed_tokens, budget)
@@ -88,13 +87,8 @@ class Scheduler:
         return out
 
     def _take(self, req: Request, n: int) -> ScheduledSeq:
-        """Grow the page table so positions [0, computed + n) have pages."""
-        grow = num_pages_for(req.num_computed_tokens + n, self.pages.page_size) - len(req.pages)
-        if grow > 0:
-            if grow > req.num_reserved_pages:
-                raise RuntimeError(f"request {req.request_id} outgrew its page reservation")
-            req.pages.extend(self.pages.allocate(grow, reserved=True))
-            req.num_reserved_pages -= grow
+        """Grow the page tables so positions [0, computed + n) have pages."""
+        self.placement.grow(req, req.num_computed_tokens + n)
         return ScheduledSeq(req, n)
 
     # ---- postprocess -------------------------------------------------------------------------
@@ -115,15 +109,12 @@ class Scheduler:
         return finished
 
     def finish(self, req: Request, reason: str) -> None:
-        """Retire a request: give back its pages and what is left of its reservation."""
-        self.pages.free(req.pages)
-        req.pages = []
+        """Retire a request: give back its pages and what is left of its reservations."""
+        self.placement.release(req)
         if req.status is RequestStatus.RUNNING:
-            self.pages.release(req.num_reserved_pages)
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        req.num_reserved_pages = 0
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
 

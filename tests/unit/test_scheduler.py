@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from splash_rollout.engine.forward_batch import ForwardBatch, current_batch, forward_context
-from splash_rollout.engine.page_manager import PageManager
+from splash_rollout.engine.placement import KVPlacement
+from splash_rollout.layout import Layout
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.engine.scheduler import Scheduler
 
@@ -26,7 +27,7 @@ def _drive(sched, token=7):
 
 
 def test_chunked_prefill_and_only_last_chunk_samples():
-    pm = PageManager(64, 4)
+    pm = KVPlacement([64], 4, Layout.TP)
     sched = Scheduler(pm, max_num_batched_tokens=5)
     r = _req(0, 12, max_new=3)
     sched.add(r)
@@ -34,11 +35,11 @@ def test_chunked_prefill_and_only_last_chunk_samples():
     assert steps[:3] == [[(0, 0, 5, False)], [(0, 5, 5, False)], [(0, 10, 2, True)]]
     assert steps[3:] == [[(0, 12, 1, True)], [(0, 13, 1, True)]]
     assert r.output_ids == [7, 7, 7] and r.finish_reason == "length"
-    assert pm.num_free == 64 and pm.num_reserved == 0
+    assert pm.managers[0].num_free == 64 and pm.managers[0].num_reserved == 0
 
 
 def test_decode_rows_go_first_and_budget_mixes():
-    pm = PageManager(64, 4)
+    pm = KVPlacement([64], 4, Layout.TP)
     sched = Scheduler(pm, max_num_batched_tokens=6)
     a, b = _req(0, 3, max_new=5), _req(1, 10, max_new=2)
     sched.add(a)
@@ -51,22 +52,22 @@ def test_decode_rows_go_first_and_budget_mixes():
 
 
 def test_admission_waits_for_pages_and_pages_return():
-    pm = PageManager(6, 4)  # 24 tokens
+    pm = KVPlacement([6], 4, Layout.TP)  # 24 tokens
     sched = Scheduler(pm, max_num_batched_tokens=100)
     reqs = [_req(i, 8, max_new=4) for i in range(3)]  # 12 tokens = 3 pages each
     for r in reqs:
         sched.add(r)
     first = sched.schedule()
     assert [x.request.request_id for x in first] == [0, 1] and len(sched.waiting) == 1
-    assert pm.num_reserved + pm.num_used == 6
+    assert pm.managers[0].num_reserved + pm.managers[0].num_used == 6
     sched.postprocess(first, torch.tensor([7, 7]), torch.zeros(2))
     _drive(sched)
     assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in reqs)
-    assert pm.num_free == 6 and pm.num_reserved == 0
+    assert pm.managers[0].num_free == 6 and pm.managers[0].num_reserved == 0
 
 
 def test_page_table_grows_during_decode():
-    pm = PageManager(16, 4)
+    pm = KVPlacement([16], 4, Layout.TP)
     sched = Scheduler(pm, max_num_batched_tokens=64)
     r = _req(0, 3, max_new=10)
     sched.add(r)
@@ -79,7 +80,7 @@ def test_page_table_grows_during_decode():
 
 
 def test_stop_conditions():
-    pm = PageManager(32, 4)
+    pm = KVPlacement([32], 4, Layout.TP)
     sched = Scheduler(pm, 64)
     eos = _req(0, 2, max_new=10)
     ign = _req(1, 2, max_new=3, ignore_eos=True)
@@ -92,11 +93,11 @@ def test_stop_conditions():
     assert (ign.finish_reason, len(ign.output_ids)) == ("length", 3)
     assert (stop.finish_reason, len(stop.output_ids)) == ("stop", 1)
     assert (ctx.finish_reason, ctx.num_tokens) == ("length", 8)
-    assert pm.num_free == 32
+    assert pm.managers[0].num_free == 32
 
 
 def test_too_big_for_pool_and_abort():
-    pm = PageManager(2, 4)
+    pm = KVPlacement([2], 4, Layout.TP)
     sched = Scheduler(pm, 16)
     with pytest.raises(ValueError, match="num_pages"):
         sched.add(_req(0, 8, max_new=4))
@@ -104,7 +105,7 @@ def test_too_big_for_pool_and_abort():
     sched.add(r)
     sched.schedule()
     assert sched.abort_all() == [r] and r.finish_reason == "abort"
-    assert pm.num_free == 2 and pm.num_reserved == 0
+    assert pm.managers[0].num_free == 2 and pm.managers[0].num_reserved == 0
 
 
 def test_forward_batch_build_and_context_refuses_nesting():
@@ -130,7 +131,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=8),
        st.integers(1, 30), st.integers(1, 5), st.integers(8, 40))
 def test_random_workloads_drain_within_budget(reqs, budget, page_size, num_pages):
-    pm = PageManager(num_pages, page_size)
+    pm = KVPlacement([num_pages], page_size, Layout.TP)
     sched = Scheduler(pm, budget)
     admitted = []
     for i, (plen, new) in enumerate(reqs):
@@ -147,8 +148,8 @@ def test_random_workloads_drain_within_budget(reqs, budget, page_size, num_pages
             assert x.start == computed[x.request.request_id]  # contiguous progress, no token twice
             assert len(x.request.pages) * page_size >= x.start + x.num_new
             computed[x.request.request_id] += x.num_new
-        assert pm.num_used + pm.num_reserved <= num_pages
+        assert pm.managers[0].num_used + pm.managers[0].num_reserved <= num_pages
         r = sum(x.samples for x in s)
         sched.postprocess(s, torch.full((r,), 7), torch.zeros(r))
     assert all(len(r.output_ids) == r.spec.max_new_tokens for r in admitted)
-    assert pm.num_free == num_pages and pm.num_reserved == 0
+    assert pm.managers[0].num_free == num_pages and pm.managers[0].num_reserved == 0

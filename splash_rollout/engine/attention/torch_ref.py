@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from splash_rollout.engine.attention.base import AttentionBackend, causal_allowed
+from splash_rollout.engine.attention.base import AttentionBackend
 from splash_rollout.models.attention_math import absorbed_attention
 
 
@@ -21,8 +21,7 @@ class TorchRefBackend(AttentionBackend):
         lse = torch.empty(q_nope_abs.shape[:2], dtype=torch.float32, device=q_nope_abs.device)  # [N, H]
         for i, seq in enumerate(batch.seqs):
             c_kv, k_pe = pool.read_kv(layer, seq.slots)  # [S, r], [S, rope]
-            mask = (allowed[i] if allowed is not None
-                    else causal_allowed(seq.start_pos, seq.num_new, seq.seq_len, q_pe.device))
+            mask = allowed[i] if allowed is not None else seq.causal_mask(q_pe.device)
             rows = slice(seq.row_start, seq.row_end)
             out[rows], lse[rows] = absorbed_attention(q_nope_abs[rows], q_pe[rows], c_kv.to(q_pe.dtype),
                                                       k_pe.to(q_pe.dtype), mask, scale)

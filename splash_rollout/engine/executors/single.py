@@ -1,59 +1,73 @@
-"""Single-rank attention executor: all heads, every history local (the oracle for every layout).
+"""Single-rank attention: all heads, every history local (the oracle for every layout).
 
 Per layer and step: project q and the latent kv of the new rows, write ``c_kv | k_pe`` (and the
 indexer key on DSA ``full`` layers) into the pool, absorb W_UK into the query, attend over each
 request's paged history (causal, or the DSA top-k selection), expand with W_UV, then o_proj.
 ``shared`` DSA layers reuse the selection the previous ``full`` layer left on the batch.
+DP-attention runs exactly this on the requests a rank owns; ``dsa_allowed`` and ``attend_local``
+are the pieces the other layouts share.
 """
 from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.attention import AttentionBackend, causal_allowed
+from splash_rollout.engine.attention import AttentionBackend
 from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool
+from splash_rollout.engine.projections import ProjectionShard
 from splash_rollout.models.attention_math import indexer_scores, indexer_select
 
 DSA_SCRATCH_KEY = "dsa_allowed"
 
 
+def dsa_allowed(attn, pool: KVPool, x: torch.Tensor, q_a: torch.Tensor | None,
+                batch: ForwardBatch) -> list[torch.Tensor] | None:
+    """Per request Bool [num_new, S_local] of the positions each row attends, or None (causal).
+
+    The request's whole history must be on this rank (TP, DP-attention, DOP owners). Writes this
+    step's indexer keys. x, q_a: the batch's rows [N, hidden], [N, q_lora]."""
+    indexer = getattr(attn, "indexer", None)
+    if indexer is None:
+        if getattr(attn, "uses_shared_topk", False):
+            if DSA_SCRATCH_KEY not in batch.scratch:
+                raise RuntimeError(f"layer {attn.layer_idx}: shared DSA layer before any full layer")
+            return batch.scratch[DSA_SCRATCH_KEY]
+        return None
+    layer = attn.layer_idx
+    index_q, index_w = indexer.index_q(x, q_a, batch.positions)  # [N, Hi, D], [N, Hi]
+    pool.write_index_k(layer, batch.out_slots, indexer.index_k(x, batch.positions))
+    allowed = []
+    for seq in batch.seqs:
+        keys = pool.read_index_k(layer, seq.slots).to(index_q.dtype)  # [S, D]
+        rows = slice(seq.row_start, seq.row_end)
+        scores = indexer_scores(index_q[rows], index_w[rows], keys)  # [n, S]
+        allowed.append(indexer_select(scores, seq.causal_mask(x.device), indexer.topk,
+                                      getattr(indexer, "tie_break", "position")))
+    batch.scratch[DSA_SCRATCH_KEY] = allowed
+    return allowed
+
+
+def attend_local(attn, shard: ProjectionShard, pool: KVPool, backend: AttentionBackend, x: torch.Tensor,
+                 batch: ForwardBatch) -> torch.Tensor:
+    """All of ``shard``'s heads over histories stored here: x [N, hidden] -> [N, hidden] (partial over
+    heads when the shard is a slice)."""
+    layer = attn.layer_idx
+    q_nope, q_pe, q_a = shard.project_q(attn, x, batch.positions)  # [N, h, nope], [N, h, rope]
+    c_kv, k_pe = attn.project_kv(x, batch.positions)  # [N, r], [N, rope]
+    pool.write_kv(layer, batch.out_slots, c_kv, k_pe)
+    allowed = dsa_allowed(attn, pool, x, q_a, batch)
+    out_latent, _ = backend.forward(layer, shard.absorb(attn, q_nope), q_pe, pool, batch, allowed,
+                                    attn.softmax_scale)  # [N, h, r]
+    return shard.output(attn, out_latent)
+
+
 class SingleRankExecutor(AttentionExecutor):
-    def __init__(self, pool: KVPool, backend: AttentionBackend) -> None:
+    def __init__(self, pool: KVPool, backend: AttentionBackend, shards: list[ProjectionShard]) -> None:
         self.pool = pool
         self.backend = backend
+        self.shards = shards
+        """Per layer: all heads' Q-B / KV-B / O."""
 
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        layer = attn.layer_idx
-        positions = batch.positions
-        q_nope, q_pe, q_a = attn.project_q(x, positions)  # [N, H, nope], [N, H, rope], [N, q_lora]|None
-        c_kv, k_pe = attn.project_kv(x, positions)  # [N, r], [N, rope]
-        self.pool.write_kv(layer, batch.out_slots, c_kv, k_pe)
-        allowed = self._dsa_allowed(attn, x, q_a, batch)
-        q_nope_abs = torch.einsum("nhd,hdr->nhr", q_nope, attn.w_uk())  # [N, H, r]
-        out_latent, _ = self.backend.forward(layer, q_nope_abs, q_pe, self.pool, batch, allowed,
-                                             attn.softmax_scale)  # [N, H, r]
-        o = torch.einsum("nhr,hrv->nhv", out_latent, attn.w_uv())  # [N, H, v]
-        return attn.o_proj(o.reshape(o.shape[0], -1))
-
-    def _dsa_allowed(self, attn, x, q_a, batch: ForwardBatch) -> list[torch.Tensor] | None:
-        """Per request Bool [num_new, seq_len] of the positions each row attends, or None (causal)."""
-        indexer = getattr(attn, "indexer", None)
-        if indexer is None:
-            if getattr(attn, "uses_shared_topk", False):
-                if DSA_SCRATCH_KEY not in batch.scratch:
-                    raise RuntimeError(f"layer {attn.layer_idx}: shared DSA layer before any full layer")
-                return batch.scratch[DSA_SCRATCH_KEY]
-            return None
-        layer = attn.layer_idx
-        index_q, index_w = indexer.index_q(x, q_a, batch.positions)  # [N, Hi, D], [N, Hi]
-        self.pool.write_index_k(layer, batch.out_slots, indexer.index_k(x, batch.positions))
-        allowed = []
-        for seq in batch.seqs:
-            keys = self.pool.read_index_k(layer, seq.slots).to(index_q.dtype)  # [S, D]
-            rows = slice(seq.row_start, seq.row_end)
-            scores = indexer_scores(index_q[rows], index_w[rows], keys)  # [n, S]
-            causal = causal_allowed(seq.start_pos, seq.num_new, seq.seq_len, x.device)
-            allowed.append(indexer_select(scores, causal, indexer.topk, getattr(indexer, "tie_break", "position")))
-        batch.scratch[DSA_SCRATCH_KEY] = allowed
-        return allowed
+        return attend_local(attn, self.shards[attn.layer_idx], self.pool, self.backend, x, batch)
