@@ -114,6 +114,22 @@ class WorkerGroup:
                     raise RankFailure(f"rank {rank} died during {what} (exit code {p.exitcode}); {seen}")
             time.sleep(0.05)
 
+    def _describe_errors(self, what: str, call_id: Any, errors: dict[int, str], grace_s: float = 3.0) -> str:
+        """Wait briefly for the other ranks' errors: the first to arrive is often a peer's timeout,
+        while the cause sits on another rank. Leads with an error that is not a timeout."""
+        deadline = time.monotonic() + grace_s
+        while len(errors) < self.world_size and time.monotonic() < deadline:
+            try:
+                rank, cid, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if cid == call_id and payload[0] == "error":
+                errors[rank] = payload[1]
+        causes = [r for r, tb in errors.items() if "Timed out" not in tb and "Connection closed" not in tb]
+        lead = min(causes) if causes else min(errors)
+        others = "".join(f"\n  rank {r}: {tb.strip().splitlines()[-1]}" for r, tb in sorted(errors.items()) if r != lead)
+        return f"rank {lead} raised during {what}:\n{errors[lead]}" + (f"\nother ranks:{others}" if others else "")
+
     def _collect(self, call_id: Any, timeout_s: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout_s
         got: dict[int, Any] = {}
@@ -137,7 +153,7 @@ class WorkerGroup:
             status, value = payload
             if status == "error":
                 self._blame_dead_rank(what, f"rank {rank} saw: {value.strip().splitlines()[-1]}")
-                raise RankFailure(f"rank {rank} raised during {what}:\n{value}")
+                raise RankFailure(self._describe_errors(what, call_id, {rank: value}))
             got[rank] = value
         return [got[r] for r in range(self.world_size)]
 

@@ -61,6 +61,8 @@ class ForwardBatch:
     seqs: list[SeqInfo]
     sample_rows: torch.Tensor
     """[R] int64: rows whose logits are needed (last row of each request that samples this step)."""
+    page_size: int = 0
+    """Tokens per KV page (CP maps a position to rank (position // page_size) mod T)."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Per-step state shared between layers (e.g. ``"topk"``: the last DSA selection)."""
 
@@ -68,9 +70,39 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def owned_by(self, rank: int) -> tuple["ForwardBatch", torch.Tensor]:
+        """The sub-batch of the requests ``rank`` owns (rows re-based) and their rows here: [n] int64.
+
+        Cached on the batch, so every layer of a step shares one sub-batch (and its DSA scratch)."""
+        key = ("owned_by", rank)
+        if key not in self.scratch:
+            seqs, rows, start = [], [], 0
+            for s in self.seqs:
+                if s.owner == rank:
+                    rows.append(torch.arange(s.row_start, s.row_end))
+                    seqs.append(SeqInfo(start, s.num_new, s.seq_len, s.slots, s.key_positions, s.owner))
+                    start += s.num_new
+            idx = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+            idx = idx.to(self.input_ids.device)
+            sub = ForwardBatch(self.input_ids[idx], self.positions[idx], self.out_slots[idx], seqs,
+                               torch.empty(0, dtype=torch.int64, device=idx.device), self.page_size)
+            self.scratch[key] = (sub, idx)
+        return self.scratch[key]
+
+    @property
+    def row_owners(self) -> torch.Tensor:
+        """[N] int64: the owner rank of every row."""
+        if "row_owners" not in self.scratch:
+            owners = [s.owner for s in self.seqs for _ in range(s.num_new)]
+            self.scratch["row_owners"] = torch.tensor(owners, dtype=torch.int64, device=self.input_ids.device)
+        return self.scratch["row_owners"]
+
     @classmethod
     def build(cls, items: Sequence[tuple], page_size: int, device: str | torch.device = "cpu") -> "ForwardBatch":
         """items: per request (token_ids, start, num_new, page table, samples_this_step[, owner]).
+
+        ``token_ids`` is the whole sequence, or just the ``num_new`` tokens of this step (what a
+        step plan ships to the ranks).
 
         The page table is this rank's: -1 marks logical pages stored elsewhere (CP, or DP/DOP
         requests owned by another rank); their positions are left out of ``slots`` and their new
@@ -79,7 +111,7 @@ class ForwardBatch:
         row = 0
         for token_ids, start, num_new, pages, samples, *rest in items:
             end = start + num_new
-            ids.extend(token_ids[start:end])
+            ids.extend(token_ids if len(token_ids) == num_new else token_ids[start:end])
             pos.extend(range(start, end))
             table = torch.tensor(pages, dtype=torch.int64)
             all_pos = torch.arange(end, dtype=torch.int64)
@@ -101,6 +133,7 @@ class ForwardBatch:
             out_slots=out_slots,
             seqs=seqs,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            page_size=page_size,
         )
 
 

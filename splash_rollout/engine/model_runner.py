@@ -17,12 +17,15 @@ class ModelRunner:
         self.executor = executor
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """→ logits [R, vocab] for ``batch.sample_rows``."""
+    def forward(self, batch: ForwardBatch, logits: bool = True) -> torch.Tensor | None:
+        """→ logits [R, vocab] for ``batch.sample_rows`` (None when ``logits`` is False: ranks
+        other than the driver run the layers for their collectives but sample nothing)."""
         decoder = self.model.model
         with forward_context(batch):
             h = decoder.embed_tokens(batch.input_ids)  # [N, hidden]
             for layer in decoder.layers:
                 h = h + self.executor.forward(layer.self_attn, layer.input_layernorm(h), batch)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if not logits:
+                return None
             return self.model.compute_logits(h.index_select(0, batch.sample_rows))

@@ -1,0 +1,186 @@
+"""GroupEngine: the engine on one rank of a T-rank group — driver on rank 0, worker everywhere.
+
+SPMD, DESIGN.md §4. Rank 0 owns the request queue, admission, the page tables of every rank
+(``KVPlacement``) and the layout; each step it broadcasts a ``StepPlan`` over the CPU control
+group, every rank runs its part of the forward through its layout's attention executor, and rank 0
+samples. ``serve`` is what every rank calls for one batch of requests; it returns the finished
+requests on rank 0 and None elsewhere.
+
+Each rank holds only its share of the weights: the switchable projections of its layout's head
+slice (``ProjectionShard``), its feed-forward shard, and the replicated rest; and its own KV pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splash_rollout.distributed.collectives import Comm
+from splash_rollout.distributed.groups import ProcessGroups
+from splash_rollout.engine.attention import AttentionBackend, get_backend
+from splash_rollout.engine.executors.cp import CPExecutor
+from splash_rollout.engine.executors.dop import DOPExecutor
+from splash_rollout.engine.executors.dp import DPExecutor
+from splash_rollout.engine.executors.tp import TPExecutor
+from splash_rollout.engine.forward_batch import ForwardBatch
+from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
+from splash_rollout.engine.model_runner import ModelRunner
+from splash_rollout.engine.parallel_mlp import shard_feed_forward
+from splash_rollout.engine.placement import KVPlacement
+from splash_rollout.engine.projections import ProjectionShard, drop_full_projections, slice_projections
+from splash_rollout.engine.request import Request
+from splash_rollout.engine.sampler import sample
+from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
+from splash_rollout.layout.bytes import AttentionBytes
+from splash_rollout.layout.footprint import pool_tokens
+from splash_rollout.layout.layouts import Layout
+from splash_rollout.layout.rank_view import RankView
+from splash_rollout.models.config import ModelConfig
+
+EXECUTORS = {Layout.TP: TPExecutor, Layout.DP: DPExecutor, Layout.DOP: DOPExecutor, Layout.CP: CPExecutor}
+_BYTES_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
+
+
+@dataclass
+class RankState:
+    """What an attention executor reads from its rank; a switch replaces ``view`` and ``shards``."""
+
+    view: RankView
+    pool: KVPool
+    backend: AttentionBackend
+    shards: list[ProjectionShard]
+    """Per layer: this rank's Q-B / KV-B / O for ``view.head_slice``."""
+    comm: Comm
+    """Compute-group collectives (counted under ``step/*``)."""
+
+
+@dataclass(frozen=True)
+class PlannedSeq:
+    """One request's part of a step, as broadcast to every rank."""
+
+    request_id: int
+    new_token_ids: list[int]
+    """[num_new] the tokens whose rows run this step."""
+    start: int
+    num_new: int
+    rank_pages: list[list[int]]
+    """[T][num_logical_pages] page tables, -1 where a rank does not store the page."""
+    samples: bool
+    owner: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    layout: Layout
+    seqs: list[PlannedSeq]
+
+
+def sizes_for(config: ModelConfig, dtype: torch.dtype) -> AttentionBytes:
+    """The ownership model's byte table for this engine's dtype (weights and KV stored alike)."""
+    name = _BYTES_NAME[dtype]
+    return AttentionBytes.from_model(config, name, name)
+
+
+def pages_per_rank(config: ModelConfig, layout: Layout, world_size: int, budget_bytes: int, page_size: int,
+                   dtype: torch.dtype) -> int:
+    """KV pages one rank gets from ``budget_bytes`` after its layout's attention weights (Table 2)."""
+    sizes = sizes_for(config, dtype)
+    weights = (sizes.w_a // world_size if layout.shards_projections else sizes.w_a) + sizes.w_replicated
+    return pool_tokens(budget_bytes, weights, sizes.kv_bytes_per_token_total, page_size) // page_size
+
+
+class GroupEngine:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, groups: ProcessGroups, *, layout: Layout,
+                 num_pages: int, page_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 attention_backend: str = "torch_ref", dtype: torch.dtype = torch.float32) -> None:
+        t, rank = groups.world_size, groups.rank
+        self.config, self.groups, self.page_size = config, groups, page_size
+        self.rank, self.world_size = rank, t
+        self.comm = Comm(groups.compute, rank, t)
+        self.control = Comm(groups.control, rank, t)
+        if t > 1:
+            shard_feed_forward(model, rank, t, self.comm)
+        view = RankView(layout, rank, t, config.num_heads)
+        shards = [slice_projections(layer.self_attn, view.head_slice) for layer in model.model.layers]
+        for layer in model.model.layers:
+            drop_full_projections(layer.self_attn)
+        pool = KVPool(KVPoolSpec.from_model(config), num_pages, page_size, dtype)
+        self.state = RankState(view, pool, get_backend(attention_backend), shards, self.comm)
+        self.model = model
+        self.runner = ModelRunner(model, EXECUTORS[layout](self.state))
+        self.num_steps = 0
+        if rank == 0:
+            placement = KVPlacement([num_pages] * t, page_size, layout)
+            self.scheduler: Scheduler | None = Scheduler(placement, max_num_batched_tokens, max_num_seqs)
+        else:
+            self.scheduler = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.state.view.layout
+
+    # ---- every rank --------------------------------------------------------------------------
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """This rank's part of one step; logits [R, vocab] on rank 0, None elsewhere."""
+        items = [(s.new_token_ids, s.start, s.num_new, s.rank_pages[self.rank], s.samples, s.owner)
+                 for s in plan.seqs]
+        batch = ForwardBatch.build(items, self.page_size)
+        self.num_steps += 1
+        return self.runner.forward(batch, logits=self.rank == 0)
+
+    def serve(self, requests: list[Request] | None = None) -> list[Request] | None:
+        """Run a batch of requests to completion on every rank (rank 0 passes them in)."""
+        if self.rank != 0:
+            while True:
+                plan = self.control.broadcast_object()
+                if plan is None:
+                    return None
+                if plan == "abort":
+                    raise RuntimeError(f"rank {self.rank}: the driver (rank 0) aborted the call")
+                self.run(plan)
+        assert self.scheduler is not None
+        for req in requests or []:
+            self.scheduler.add(req)
+        finished: list[Request] = []
+        try:
+            while self.scheduler.has_unfinished:
+                scheduled = self.scheduler.schedule()
+                if not scheduled:
+                    raise RuntimeError("step: nothing schedulable although requests are pending")
+                plan = self._plan(scheduled)
+                self.control.broadcast_object(plan)
+                logits = self.run(plan)
+                samplers = [s.request for s in scheduled if s.samples]
+                tokens, logprobs = sample(logits, [r.spec for r in samplers], [r.generator for r in samplers])
+                finished.extend(self.scheduler.postprocess(scheduled, tokens, logprobs))
+        except BaseException:
+            finished.extend(self.scheduler.abort_all())
+            try:  # tell the other ranks; if they are stuck in a collective this fails, keep the cause
+                self.control.broadcast_object("abort")
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        self.control.broadcast_object(None)
+        return finished
+
+    def _plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
+        seqs = []
+        for s in scheduled:
+            r = s.request
+            seqs.append(PlannedSeq(r.request_id, r.token_ids[s.start: s.start + s.num_new], s.start, s.num_new,
+                                   [list(t) for t in r.rank_pages], s.samples, r.owner))
+        return StepPlan(self.num_steps, self.layout, seqs)
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, read from the tensors: switchable projections, replicated attention
+        weights, KV pool."""
+        replicated = 0
+        for layer in self.model.model.layers:
+            for p in layer.self_attn.parameters():
+                replicated += p.numel() * p.element_size()
+        pool = sum(t.numel() * t.element_size() for t in self.state.pool.kv)
+        pool += sum(t.numel() * t.element_size() for t in self.state.pool.index_k if t is not None)
+        return {"switchable": sum(s.nbytes for s in self.state.shards), "replicated_attention": replicated,
+                "kv_pool": pool}

@@ -1,0 +1,70 @@
+"""Shared cases for the multi-rank layout tests: models, a mixed batch, and the runs on each side."""
+from __future__ import annotations
+
+import torch
+
+from splash_rollout.engine.engine import Engine
+from splash_rollout.engine.group_engine import GroupEngine, pages_per_rank
+from splash_rollout.engine.request import Request, SamplingSpec
+from splash_rollout.layout import Layout
+from splash_rollout.models.config import PRESETS
+from splash_rollout.models.model import MLAForCausalLM
+
+# glm5-nano with a small top-k so DSA really selects on these prompts; a DeepSeek-V3-shaped tiny model.
+MODELS = {
+    "glm5-nano": PRESETS["glm5-nano"].replace(index_topk=24),
+    "tiny-v3": PRESETS["deepseek-v3"].replace(
+        name="tiny-v3", vocab_size=512, hidden_size=128, num_layers=3, num_heads=8, q_lora_rank=64,
+        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=256,
+        moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, max_position_embeddings=4096,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+}
+PROMPT_LENS = [1, 300, 17, 64, 5, 129, 33, 250, 2, 90]
+PAGE_SIZE = 8
+TOKEN_BUDGET = 96  # smaller than the longest prompt: chunked prefill
+
+
+def make_requests(model: str, new_tokens: int = 6, temperature: float = 0.0) -> list[Request]:
+    cfg = MODELS[model]
+    g = torch.Generator().manual_seed(7)
+    reqs = []
+    for i, n in enumerate(PROMPT_LENS):
+        ids = torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist()
+        spec = SamplingSpec(temperature=temperature, top_p=0.9 if temperature else 1.0,
+                            max_new_tokens=new_tokens + i % 3, ignore_eos=True, seed=1000 + i)
+        reqs.append(Request(i, ids, spec, cfg.max_position_embeddings, cfg.eos_token_ids))
+    return reqs
+
+
+def outputs(finished: list[Request]) -> dict[int, tuple[list[int], list[float]]]:
+    return {r.request_id: (list(r.output_ids), list(r.output_logprobs)) for r in finished}
+
+
+def single_rank(model: str, temperature: float = 0.0) -> dict:
+    cfg = MODELS[model]
+    engine = Engine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, num_pages=512, page_size=PAGE_SIZE,
+                    max_num_batched_tokens=TOKEN_BUDGET)
+    for r in make_requests(model, temperature=temperature):
+        engine.add_request(r)
+    return outputs(engine.run_until_done())
+
+
+def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budget_bytes: int | None = None):
+    cfg = MODELS[model]
+    torch.set_flush_denormal(True)
+    lay = Layout.parse(layout)
+    if budget_bytes is not None:
+        num_pages = pages_per_rank(cfg, lay, ctx.world_size, budget_bytes, PAGE_SIZE, torch.float32)
+    return GroupEngine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, ctx.groups, layout=lay,
+                       num_pages=num_pages, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
+                       max_num_seqs=64)
+
+
+def run_layout(ctx, model: str, layout: str, temperature: float = 0.0):
+    """On every rank: a fresh group engine in ``layout`` serves the mixed batch; rank 0 returns outputs."""
+    engine = build_group_engine(ctx, model, layout)
+    finished = engine.serve(make_requests(model, temperature=temperature) if ctx.rank == 0 else None)
+    pages_left = engine.scheduler.placement.pages_in_use if ctx.rank == 0 else None
+    return (outputs(finished), pages_left) if ctx.rank == 0 else None

@@ -1,0 +1,32 @@
+"""Every fixed layout on T ranks equals the single-rank engine (DESIGN.md §3; issue 4)."""
+import pytest
+
+from tests.distributed.layout_cases import run_layout, single_rank
+
+LAYOUTS = ["tp", "dp", "dop", "cp"]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return {m: single_rank(m) for m in ("glm5-nano", "tiny-v3")}
+
+
+def _check(got, want):
+    out, pages_left = got
+    assert pages_left == [0] * len(pages_left)
+    assert sorted(out) == sorted(want)
+    for rid, (tokens, logprobs) in want.items():
+        assert out[rid][0] == tokens, f"request {rid}"
+        assert max(abs(a - b) for a, b in zip(out[rid][1], logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model", ["glm5-nano", "tiny-v3"])
+def test_layouts_on_two_ranks_equal_single_rank(group2, oracle, model, layout):
+    _check(group2.run(run_layout, model, layout, timeout_s=300)[0], oracle[model])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_on_four_ranks_equal_single_rank(group4, oracle, layout):
+    _check(group4.run(run_layout, "glm5-nano", layout, timeout_s=300)[0], oracle["glm5-nano"])
