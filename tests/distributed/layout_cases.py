@@ -68,3 +68,22 @@ def run_layout(ctx, model: str, layout: str, temperature: float = 0.0):
     finished = engine.serve(make_requests(model, temperature=temperature) if ctx.rank == 0 else None)
     pages_left = engine.scheduler.placement.pages_in_use if ctx.rank == 0 else None
     return (outputs(finished), pages_left) if ctx.rank == 0 else None
+
+
+def memory_report(ctx, model: str, layout: str, budget_bytes: int):
+    """Per rank: bytes read from the tensors, the pool in tokens, and how many long requests are
+    admitted at once under a per-rank budget."""
+    engine = build_group_engine(ctx, model, layout, budget_bytes=budget_bytes)
+    report = dict(engine.resident_bytes(), pool_tokens=engine.state.pool.num_slots)
+    if ctx.rank == 0:
+        cfg = MODELS[model]
+        long = [Request(i, [5] * 500, SamplingSpec(max_new_tokens=200, seed=i), cfg.max_position_embeddings)
+                for i in range(64)]
+        placement = engine.scheduler.placement
+        admitted = [r for r in long if placement.can_admit(r) and placement.admit(r) is None]
+        report["admitted"] = len(admitted)
+        report["pool_tokens_by_rank"] = [m.num_pages * PAGE_SIZE for m in placement.managers]
+        for r in admitted:
+            placement.release(r)
+    engine.serve(None) if ctx.rank else engine.control.broadcast_object(None)
+    return report

@@ -30,3 +30,9 @@ def test_layouts_on_two_ranks_equal_single_rank(group2, oracle, model, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_on_four_ranks_equal_single_rank(group4, oracle, layout):
     _check(group4.run(run_layout, "glm5-nano", layout, timeout_s=300)[0], oracle["glm5-nano"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sampled_runs_with_per_sample_seeds_match_in_every_layout(group2, layout):
+    want = single_rank("glm5-nano", temperature=1.0)
+    _check(group2.run(run_layout, "glm5-nano", layout, 1.0, timeout_s=300)[0], want)
