@@ -100,7 +100,8 @@ class Comm:
         padded = local.new_zeros((most,) + row_shape)
         padded[: sizes[r]] = local
         gathered = local.new_empty((t * most,) + row_shape)
-        work = dist.all_gather_into_tensor(gathered, padded, group=self.group, async_op=async_op)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        work = gather(gathered, padded, group=self.group, async_op=async_op)
 
         def finish() -> torch.Tensor:
             pieces = [gathered[q * most: q * most + sizes[q]] for q in range(t)]

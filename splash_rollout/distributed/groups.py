@@ -72,3 +72,18 @@ def under_torchrun() -> bool:
 def destroy_process_groups() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def groups_in_process(timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
+    """The three groups over an already initialised default group (torchrun, or a trainer that
+    called init_process_group): the engine then lives in the caller's ranks. Collective."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; launch with torchrun or let the engine spawn")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    backend = dist.get_backend()
+    ranks = list(range(world))
+    compute = dist.new_group(ranks, backend=backend, timeout=timeout)
+    transfer = dist.new_group(ranks, backend=backend, timeout=timeout)
+    control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    return ProcessGroups(rank, world, str(backend), compute, transfer, control, timeout_s)

@@ -14,7 +14,7 @@ class EngineConfig:
     model: str | os.PathLike | ModelConfig = "glm5-nano"
     """Preset name (random init), HF checkpoint folder, or a ModelConfig (random init)."""
     world_size: int = 1
-    """Ranks in the attention group; only 1 is implemented so far."""
+    """Ranks in the attention group (T). More than 1: spawned here, or the caller's torchrun ranks."""
     dtype: str = "float32"
     """Model and KV-cache dtype: float32, bfloat16 or float16."""
     seed: int = 0
@@ -32,11 +32,13 @@ class EngineConfig:
     max_model_len: int | None = None
     """Context limit (prompt + response); None: the model's max_position_embeddings."""
     layout: str = "tp"
-    """Initial attention layout (tp, dp, dop, cp); meaningless at world_size 1."""
+    """Attention layout over the T ranks: tp, dp (DP-attention), dop or cp; meaningless at world_size 1."""
     attention_backend: str = "torch_ref"
     device: str = "cpu"
     tokenizer: str | None = None
     """Tokenizer name or path for string prompts; None: the model's (checkpoint folder or preset)."""
+    rank_timeout_s: float = 60.0
+    """Longest wait for any other rank (collectives, step plans); a dead rank becomes an error."""
     flush_denormal: bool = True
     """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
     of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below

@@ -18,9 +18,18 @@ from splash_rollout.engine.kv_pool import KVPoolSpec
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import ModelConfig, PRESETS, resolve_model
 from splash_rollout.rollout.config import EngineConfig
+from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, load_model, serve_records, worker_build,
+                                          worker_can_ever_admit, worker_serve)
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams, Timeline
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Ctx:
+    """The slice of a WorkerContext that the worker functions read, for in-process ranks."""
+
+    def __init__(self, engine) -> None:
+        self.rank, self.state = engine.rank, {"engine": engine}
 
 
 def derive_seed(*keys: int) -> int:
@@ -30,26 +39,35 @@ def derive_seed(*keys: int) -> int:
 
 
 class RolloutEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        if config.world_size != 1:
-            raise NotImplementedError(
-                f"world_size: only 1 is implemented so far (got {config.world_size}); "
-                "multi-rank layouts (TP/DP/DOP/CP) come with the distributed executors")
-        from splash_rollout.models.model import MLAForCausalLM
+    """Prompts in, groups of samples out. ``world_size`` 1 runs in this process; more ranks are
+    spawned here, or, when torch.distributed is already initialised with ``world_size`` ranks
+    (torchrun, a trainer), hosted by the caller's ranks — then every rank calls ``generate`` with
+    the same prompts and every rank gets the whole batch."""
 
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.flush_denormal and torch.device(config.device).type == "cpu":
             torch.set_flush_denormal(True)
         self.model_config: ModelConfig = resolve_model(config.model)
-        dtype = _TORCH_DTYPES[config.dtype]
-        source = config.model
-        if isinstance(source, (str, os.PathLike)) and os.fspath(source) not in PRESETS:
-            self.model = MLAForCausalLM.from_pretrained(os.fspath(source), dtype=dtype)
-        else:
-            self.model = MLAForCausalLM.from_config(self.model_config, seed=config.seed, dtype=dtype)
-        self.model.to(config.device).eval()
         self.max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                            self.model_config.max_position_embeddings)
+        self.engine = None  # single-rank Engine
+        self.group = None  # spawned WorkerGroup
+        self.group_engine = None  # in-process GroupEngine (torchrun)
+        if config.world_size == 1:
+            self._init_single()
+        else:
+            self._init_group()
+        self._tokenizer = None
+        self._num_calls = 0
+        self._next_request_id = 0
+        self._closed = False
+
+    def _init_single(self) -> None:
+        config = self.config
+        dtype = _TORCH_DTYPES[config.dtype]
+        self.model = load_model(config, self.model_config)
+        self.model.to(config.device)
         num_pages = config.num_pages or KVPoolSpec.from_model(self.model_config).num_pages_for_budget(
             int(config.memory_budget_gib * 2**30), config.page_size, dtype)
         if num_pages < 1:
@@ -58,10 +76,35 @@ class RolloutEngine:
                              max_num_batched_tokens=config.max_num_batched_tokens,
                              max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend,
                              dtype=dtype, device=config.device)
-        self._tokenizer = None
-        self._num_calls = 0
-        self._next_request_id = 0
-        self._closed = False
+
+    def _init_group(self) -> None:
+        import torch.distributed as dist
+
+        from splash_rollout.distributed.groups import groups_in_process
+        from splash_rollout.distributed.launch import WorkerGroup
+        from splash_rollout.layout.arith import div_even
+
+        t = self.config.world_size
+        for what, n in (("num_heads", self.model_config.num_heads), ("n_routed_experts", self.model_config.n_routed_experts)):
+            try:
+                div_even(n, t) if n else None
+            except ValueError:
+                raise ValueError(f"world_size: {t} does not divide {what}={n} of {self.model_config.name}") from None
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() != t:
+                raise ValueError(f"world_size: {t}, but this process group has {dist.get_world_size()} ranks")
+            self.group_engine = build_group_engine(self.config, groups_in_process(self.config.rank_timeout_s))
+        else:
+            self.group = WorkerGroup(t, timeout_s=self.config.rank_timeout_s)
+            try:
+                self.group.run(worker_build, self.config, timeout_s=max(300.0, self.config.rank_timeout_s))
+            except BaseException:
+                self.group.shutdown(force=True)
+                raise
+
+    @property
+    def rank(self) -> int:
+        return self.group_engine.rank if self.group_engine is not None else 0
 
     # ---- tokenizer -----------------------------------------------------------------------------
     @property
@@ -81,24 +124,13 @@ class RolloutEngine:
         if self._closed:
             raise RuntimeError("generate: the engine is shut down")
         requests, groups = self._make_requests(prompts, sampling)
-        for req in requests:
-            self.engine.add_request(req)
         t0 = time.perf_counter()
-        steps0 = self.engine.num_steps
-        max_batch = 0
-        try:
-            while self.engine.has_unfinished:
-                self.engine.step()
-                max_batch = max(max_batch, len(self.engine.scheduler.running))
-        except BaseException:
-            self.engine.abort_all()  # leave no request (and no page) behind for the next call
-            raise
+        steps, max_batch = self._run(requests)
         elapsed = time.perf_counter() - t0
         out = [SampleGroup(i, [Sample(list(r.prompt_ids), list(r.output_ids), list(r.output_logprobs),
                                       r.finish_reason or "abort", r.spec.seed) for r in reqs])
                for i, reqs in enumerate(groups)]
         num_tokens = sum(len(r.output_ids) for r in requests)
-        steps = self.engine.num_steps - steps0
         timeline = Timeline(phases=[{"layout": self.config.layout, "t_start": 0.0, "t_end": elapsed,
                                      "steps": steps, "batch_size": max_batch, "tokens": num_tokens}])
         lens = [len(r.output_ids) for r in requests]
@@ -106,6 +138,41 @@ class RolloutEngine:
                    "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(steps),
                    "timing_s/generate": elapsed}
         return RolloutBatch(out, timeline, metrics)
+
+    def _run(self, requests: list[Request]) -> tuple[int, int]:
+        """Run the requests to completion, filling their outputs; returns (steps, largest batch)."""
+        if self.engine is not None:
+            for req in requests:
+                self.engine.add_request(req)
+            steps0, max_batch = self.engine.num_steps, 0
+            try:
+                while self.engine.has_unfinished:
+                    self.engine.step()
+                    max_batch = max(max_batch, len(self.engine.scheduler.running))
+            except BaseException:
+                self.engine.abort_all()  # leave no request (and no page) behind for the next call
+                raise
+            return self.engine.num_steps - steps0, max_batch
+        records = [RequestRecord.of(r) for r in requests]
+        if self.group is not None:
+            results = self.group.run(worker_serve, records)[0]
+        else:
+            mine = serve_records(self.group_engine, records)
+            results = self.group_engine.control.broadcast_object(mine)
+        by_id = {r.request_id: r for r in results}
+        for req in requests:
+            res = by_id[req.request_id]
+            req.output_ids, req.output_logprobs, req.finish_reason = res.output_ids, res.output_logprobs, res.finish_reason
+        return 0, len(requests)
+
+    def _can_ever_admit(self, requests: list[Request]) -> list[bool]:
+        if self.engine is not None:
+            return [self.engine.scheduler.can_ever_admit(r) for r in requests]
+        records = [RequestRecord.of(r) for r in requests]
+        if self.group is not None:
+            return self.group.run(worker_can_ever_admit, records)[0]
+        mine = worker_can_ever_admit(_Ctx(self.group_engine), records)
+        return self.group_engine.control.broadcast_object(mine)
 
     def _make_requests(self, prompts, sampling) -> tuple[list[Request], list[list[Request]]]:
         """Validate everything, then build the requests (nothing is queued on error)."""
@@ -152,26 +219,35 @@ class RolloutEngine:
                                     ignore_eos=p.ignore_eos, seed=seed)
                 req = Request(self._next_request_id, list(ids), spec, self.max_len, eos)
                 self._next_request_id += 1
-                if not self.engine.scheduler.can_ever_admit(req):
-                    raise ValueError(f"num_pages: prompts[{i}] needs {req.pages_needed(self.config.page_size)} "
-                                     f"pages (prompt + max_new_tokens), the pool has {self.engine.pages.num_pages}")
                 group.append(req)
                 requests.append(req)
             groups.append(group)
+        for req, ok in zip(requests, self._can_ever_admit(requests)):
+            if not ok:
+                i = next(k for k, g in enumerate(groups) if req in g)
+                raise ValueError(f"prompts[{i}]: needs {req.pages_needed(self.config.page_size)} KV pages "
+                                 f"(prompt + max_new_tokens), more than one rank's pool holds in layout "
+                                 f"{self.config.layout}; lower max_new_tokens or raise memory_budget_gib")
         return requests, groups
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def abort(self) -> int:
         """Abort everything queued or running; returns how many requests were aborted."""
-        return len(self.engine.abort_all())
+        return len(self.engine.abort_all()) if self.engine is not None else 0
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new weights in place (the full state dict, same names as the model's; strict)."""
+        if self.engine is None:
+            raise NotImplementedError("update_weights: multi-rank weight pushes (each rank slicing its shards) "
+                                      "are not implemented yet; use world_size=1")
         self.model.load_state_dict(state_dict, strict=True)
 
     def shutdown(self) -> None:
         if not self._closed:
-            self.engine.abort_all()
+            if self.engine is not None:
+                self.engine.abort_all()
+            if self.group is not None:
+                self.group.shutdown()
             self._closed = True
 
     def __enter__(self) -> "RolloutEngine":

@@ -1,0 +1,102 @@
+"""The engine's side of a multi-rank RolloutEngine: building a GroupEngine on a rank and serving.
+
+Two ways to host the T ranks (DESIGN.md §4): the RolloutEngine spawns them (``WorkerGroup``; the
+functions here run inside each worker), or the caller's own ranks host the engine in-process
+(torchrun; every rank calls ``generate``). Both build the same ``GroupEngine`` and exchange only
+plain request records, never torch.Generator objects.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from splash_rollout.distributed.groups import ProcessGroups
+from splash_rollout.engine.group_engine import GroupEngine, pages_per_rank
+from splash_rollout.engine.request import Request, SamplingSpec
+from splash_rollout.layout.layouts import Layout
+from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What rank 0 needs to rebuild a Request."""
+
+    request_id: int
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    max_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestRecord":
+        return cls(r.request_id, list(r.prompt_ids), r.spec, r.max_len, tuple(r.eos_token_ids))
+
+    def request(self) -> Request:
+        return Request(self.request_id, list(self.prompt_ids), self.spec, self.max_len, self.eos_token_ids)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request_id: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str
+
+
+def load_model(config, model_config: ModelConfig):
+    """The full model on this rank (a checkpoint folder, or the preset's seeded random init)."""
+    from splash_rollout.models.model import MLAForCausalLM
+
+    dtype = TORCH_DTYPES[config.dtype]
+    source = config.model
+    if isinstance(source, (str, os.PathLike)) and os.fspath(source) not in PRESETS:
+        return MLAForCausalLM.from_pretrained(os.fspath(source), dtype=dtype).eval()
+    return MLAForCausalLM.from_config(model_config, seed=config.seed, dtype=dtype).eval()
+
+
+def build_group_engine(config, groups: ProcessGroups) -> GroupEngine:
+    """This rank's GroupEngine for an EngineConfig (collective: every rank calls it)."""
+    if config.flush_denormal:
+        torch.set_flush_denormal(True)
+    model_config = resolve_model(config.model)
+    dtype = TORCH_DTYPES[config.dtype]
+    layout = Layout.parse(config.layout)
+    num_pages = config.num_pages or pages_per_rank(model_config, layout, groups.world_size,
+                                                   int(config.memory_budget_gib * 2**30), config.page_size, dtype)
+    if num_pages < 1:
+        raise ValueError(f"memory_budget_gib: {config.memory_budget_gib} GiB per rank holds no KV page after "
+                         f"the {layout} attention weights")
+    return GroupEngine(load_model(config, model_config), model_config, groups, layout=layout, num_pages=num_pages,
+                       page_size=config.page_size, max_num_batched_tokens=config.max_num_batched_tokens,
+                       max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend, dtype=dtype)
+
+
+def serve_records(engine: GroupEngine, records: list[RequestRecord] | None) -> list[RequestResult] | None:
+    """Every rank: run the batch; rank 0 returns the results (others None)."""
+    finished = engine.serve([r.request() for r in records] if engine.rank == 0 else None)
+    if finished is None:
+        return None
+    return [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort")
+            for r in finished]
+
+
+# ---- functions a spawned WorkerGroup runs (module level so they pickle by name) ---------------
+def worker_build(ctx, config) -> dict:
+    ctx.state["engine"] = build_group_engine(config, ctx.groups)
+    engine = ctx.state["engine"]
+    return {"num_pages": engine.state.pool.num_pages, **engine.resident_bytes()}
+
+
+def worker_serve(ctx, records: list[RequestRecord]) -> list[RequestResult] | None:
+    return serve_records(ctx.state["engine"], records if ctx.rank == 0 else None)
+
+
+def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | None:
+    if ctx.rank != 0:
+        return None
+    placement = ctx.state["engine"].scheduler.placement
+    return [placement.can_ever_admit(r.request()) for r in records]

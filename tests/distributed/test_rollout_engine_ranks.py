@@ -1,0 +1,50 @@
+"""RolloutEngine on 2 ranks in both launch modes: spawned by the engine, and hosted by torchrun."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+
+PROMPTS = [[5, 6, 7] * 30, [9] * 3, [11, 12] * 40]
+PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5, ignore_eos=True)
+
+
+def _responses(batch):
+    return [[s.response_ids for s in g.samples] for g in batch.groups]
+
+
+@pytest.fixture(scope="module")
+def single():
+    with RolloutEngine(EngineConfig(model="glm5-nano", max_num_batched_tokens=64, page_size=8)) as engine:
+        return _responses(engine.generate(PROMPTS, PARAMS))
+
+
+def test_spawned_ranks_equal_single_rank(single):
+    with RolloutEngine(EngineConfig(model="glm5-nano", world_size=2, layout="dop", max_num_batched_tokens=64,
+                                    page_size=8)) as engine:
+        batch = engine.generate(PROMPTS, PARAMS)
+        assert _responses(batch) == single
+        assert batch.timeline.phases[0]["layout"] == "dop"
+        with pytest.raises(ValueError, match=r"prompts\[0\]: token ids \[9999\] outside the vocabulary"):
+            engine.generate([[9999]], PARAMS)
+        assert _responses(engine.generate(PROMPTS, PARAMS)) == single  # still serving after bad input
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_host_the_engine(single, tmp_path):
+    out = tmp_path / "gen"
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", "tests/distributed/torchrun_generate.py", "cp", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"gen.rank{rank}.json").read_text()) == single
+
+
+def test_world_size_must_divide_heads():
+    with pytest.raises(ValueError, match="world_size: 3 does not divide num_heads=8"):
+        RolloutEngine(EngineConfig(model="glm5-nano", world_size=3))
