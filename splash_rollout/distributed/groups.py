@@ -64,6 +64,11 @@ def init_from_torchrun(backend: str | None = None, timeout_s: float = DEFAULT_TI
                                int(os.environ["MASTER_PORT"]), backend, timeout_s)
 
 
+def initialized_world_size() -> int | None:
+    """Ranks of the already initialised default group, or None when there is none."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
                                                    and "LOCAL_RANK" in os.environ)

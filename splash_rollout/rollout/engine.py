@@ -78,9 +78,7 @@ class RolloutEngine:
                              dtype=dtype, device=config.device)
 
     def _init_group(self) -> None:
-        import torch.distributed as dist
-
-        from splash_rollout.distributed.groups import groups_in_process
+        from splash_rollout.distributed.groups import groups_in_process, initialized_world_size
         from splash_rollout.distributed.launch import WorkerGroup
         from splash_rollout.layout.arith import div_even
 
@@ -90,9 +88,10 @@ class RolloutEngine:
                 div_even(n, t) if n else None
             except ValueError:
                 raise ValueError(f"world_size: {t} does not divide {what}={n} of {self.model_config.name}") from None
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() != t:
-                raise ValueError(f"world_size: {t}, but this process group has {dist.get_world_size()} ranks")
+        existing = initialized_world_size()
+        if existing is not None:
+            if existing != t:
+                raise ValueError(f"world_size: {t}, but this process group has {existing} ranks")
             self.group_engine = build_group_engine(self.config, groups_in_process(self.config.rank_timeout_s))
         else:
             self.group = WorkerGroup(t, timeout_s=self.config.rank_timeout_s)

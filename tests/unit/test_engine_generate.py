@@ -117,8 +117,8 @@ def test_validation_errors_name_the_field(tmp_path):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
-    with pytest.raises(NotImplementedError, match="world_size"):
-        RolloutEngine(EngineConfig(model="glm5-nano", world_size=2))
+    with pytest.raises(ValueError, match="world_size: 3 does not divide"):
+        RolloutEngine(EngineConfig(model="glm5-nano", world_size=3))
     with pytest.raises(ValueError, match="layout"):
         EngineConfig(layout="zz")
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=8, page_size=4, max_model_len=20)) as eng:
