@@ -226,7 +226,7 @@ class RolloutEngine:
                 i = next(k for k, g in enumerate(groups) if req in g)
                 raise ValueError(f"prompts[{i}]: needs {req.pages_needed(self.config.page_size)} KV pages "
                                  f"(prompt + max_new_tokens), more than one rank's pool holds in layout "
-                                 f"{self.config.layout}; lower max_new_tokens or raise memory_budget_gib")
+                                 f"{self.config.layout}; lower max_new_tokens or raise memory_budget_gib / num_pages")
         return requests, groups
 
     # ---- lifecycle -----------------------------------------------------------------------------
