@@ -11,6 +11,7 @@ slice (``ProjectionShard``), its feed-forward shard, and the replicated rest; an
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,8 @@ class GroupEngine:
         self.model = model
         self.runner = ModelRunner(model, EXECUTORS[layout](self.state))
         self.num_steps = 0
+        self.step_log: list[dict] = []
+        """Rank 0: one record per step (layout, rows, requests, prefill rows, seconds)."""
         if rank == 0:
             placement = KVPlacement([num_pages] * t, page_size, layout)
             self.scheduler: Scheduler | None = Scheduler(placement, max_num_batched_tokens, max_num_seqs)
@@ -148,12 +151,19 @@ class GroupEngine:
                 scheduled = self.scheduler.schedule()
                 if not scheduled:
                     raise RuntimeError("step: nothing schedulable although requests are pending")
+                start = time.perf_counter()
                 plan = self._plan(scheduled)
                 self.control.broadcast_object(plan)
                 logits = self.run(plan)
                 samplers = [s.request for s in scheduled if s.samples]
                 tokens, logprobs = sample(logits, [r.spec for r in samplers], [r.generator for r in samplers])
                 finished.extend(self.scheduler.postprocess(scheduled, tokens, logprobs))
+                self.step_log.append({
+                    "step": plan.step, "layout": self.layout.value, "requests": len(scheduled),
+                    "rows": sum(s.num_new for s in scheduled),
+                    "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0
+                                        or s.num_new > 1),
+                    "running": len(self.scheduler.running), "seconds": time.perf_counter() - start})
         except BaseException:
             finished.extend(self.scheduler.abort_all())
             try:  # tell the other ranks; if they are stuck in a collective this fails, keep the cause

@@ -82,6 +82,10 @@ class Request:
         return len(self.prompt_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

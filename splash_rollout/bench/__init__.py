@@ -1,0 +1,1 @@
+"""Measured benchmarks on this machine: ``python -m splash_rollout.bench VERB`` (JSON + PNG)."""

@@ -1,0 +1,89 @@
+"""``python -m splash_rollout.bench layouts``: measured CPU benchmarks, JSON + PNG.
+
+Verbs: ``layouts`` — per-layout step latency over batch x context, prefill and decode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from splash_rollout.layout.layouts import ALL_LAYOUTS
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def cmd_layouts(args) -> dict:
+    from splash_rollout.bench.layouts import bench_on_rank
+    from splash_rollout.distributed.launch import WorkerGroup
+
+    points = []
+    with WorkerGroup(args.world_size, timeout_s=600) as group:
+        for layout in args.layouts:
+            start = time.perf_counter()
+            points += group.run(bench_on_rank, args.model, layout, args.batches, args.contexts, timeout_s=3600)[0]
+            print(f"  {layout}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    best = {}
+    for kind in ("prefill_ms", "decode_ms"):
+        for p in points:
+            key = f"{kind[:-3]}/B{p['batch']}/S{p['context']}"
+            if key not in best or p[kind] < best[key][1]:
+                best[key] = (p["layout"], p[kind])
+    return {"model": args.model, "world_size": args.world_size, "points": points,
+            "fastest": {k: v[0] for k, v in best.items()}}
+
+
+def plot_layouts(out: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({p["batch"] for p in out["points"]})
+    fig, axes = plt.subplots(2, len(batches), figsize=(4 * len(batches), 6), squeeze=False)
+    for col, b in enumerate(batches):
+        for row, kind in enumerate(("prefill_ms", "decode_ms")):
+            ax = axes[row][col]
+            for layout in sorted({p["layout"] for p in out["points"]}):
+                pts = sorted((p["context"], p[kind]) for p in out["points"] if p["batch"] == b and p["layout"] == layout)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=layout)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{kind[:-3]} step, B={b}")
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("ms")
+            ax.legend()
+    fig.suptitle(f"{out['model']} on {out['world_size']} CPU ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m splash_rollout.bench", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    lay = verbs.add_parser("layouts", help="per-layout step latency over batch x context")
+    lay.add_argument("--model", default="glm5-nano")
+    lay.add_argument("--world-size", type=int, default=2)
+    lay.add_argument("--batches", type=_ints, default=[1, 4, 16])
+    lay.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
+    lay.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
+    lay.add_argument("--json", default="bench_layouts.json", help="output JSON path")
+    lay.add_argument("--png", default="bench_layouts.png", help="output plot path")
+    args = parser.parse_args(argv)
+    out = cmd_layouts(args)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    plot_layouts(out, args.png)
+    print(json.dumps(out["fastest"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
