@@ -25,6 +25,8 @@ from splash_rollout.engine.executors.dp import DPExecutor
 from splash_rollout.engine.executors.tp import TPExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
+from splash_rollout.engine.kv_switch import KVMove, retire_source_pages, switch_placement
+from splash_rollout.engine.switcher import LayerSwitch, token_routes
 from splash_rollout.engine.model_runner import ModelRunner
 from splash_rollout.engine.parallel_mlp import shard_feed_forward
 from splash_rollout.engine.placement import KVPlacement
@@ -71,10 +73,21 @@ class PlannedSeq:
 
 
 @dataclass(frozen=True)
+class SwitchOrder:
+    """A switch that happens in this step: every rank moves from ``src`` to ``dst`` layer by layer."""
+
+    src: Layout
+    dst: Layout
+    moves: list[KVMove]
+    blocking: bool = False
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step: int
     layout: Layout
     seqs: list[PlannedSeq]
+    switch: SwitchOrder | None = None
 
 
 def sizes_for(config: ModelConfig, dtype: torch.dtype) -> AttentionBytes:
@@ -99,6 +112,7 @@ class GroupEngine:
         self.config, self.groups, self.page_size = config, groups, page_size
         self.rank, self.world_size = rank, t
         self.comm = Comm(groups.compute, rank, t)
+        self.transfer = Comm(groups.transfer, rank, t, self.comm.counter)
         self.control = Comm(groups.control, rank, t)
         if t > 1:
             shard_feed_forward(model, rank, t, self.comm)
@@ -111,6 +125,12 @@ class GroupEngine:
         self.model = model
         self.runner = ModelRunner(model, EXECUTORS[layout](self.state))
         self.num_steps = 0
+        self.pending_switch: tuple[Layout, bool] | None = None
+        """Rank 0: a requested switch (destination, blocking) applied at the next step boundary."""
+        self.switch_schedule: dict[int, Layout] = {}
+        """Rank 0: step number -> layout to switch to at that step (tests and benchmarks)."""
+        self.switch_log: list[dict] = []
+        """Rank 0: one record per switch or deferral."""
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, seconds)."""
         if rank == 0:
@@ -124,13 +144,27 @@ class GroupEngine:
         return self.state.view.layout
 
     # ---- every rank --------------------------------------------------------------------------
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """This rank's part of one step; logits [R, vocab] on rank 0, None elsewhere."""
         items = [(s.new_token_ids, s.start, s.num_new, s.rank_pages[self.rank], s.samples, s.owner)
                  for s in plan.seqs]
         batch = ForwardBatch.build(items, self.page_size)
         self.num_steps += 1
-        return self.runner.forward(batch, logits=self.rank == 0)
+        before_layer = self._begin_switch(plan.switch) if plan.switch is not None else None
+        return self.runner.forward(batch, logits=self.rank == 0, before_layer=before_layer)
+
+    def _begin_switch(self, order: SwitchOrder):
+        """Enter ``order.dst``: new rank view and executor now; each layer's state arrives in time."""
+        s = self.state
+        dst_view = RankView(order.dst, self.rank, self.world_size, self.config.num_heads)
+        routes = token_routes(order.moves, self.rank, self.world_size, self.page_size)
+        attns = [layer.self_attn for layer in self.model.model.layers]
+        s.view = dst_view
+        self.runner.executor = EXECUTORS[order.dst](s)
+        switch = LayerSwitch(order.src, order.dst, dst_view, s.pool, s.shards, attns, routes, self.transfer,
+                             blocking=order.blocking)
+        return switch.before_layer
 
     def serve(self, requests: list[Request] | None = None) -> list[Request] | None:
         """Run a batch of requests to completion on every rank (rank 0 passes them in)."""
@@ -148,11 +182,12 @@ class GroupEngine:
         finished: list[Request] = []
         try:
             while self.scheduler.has_unfinished:
+                order, placement_switch = self._switch_at_boundary()
                 scheduled = self.scheduler.schedule()
                 if not scheduled:
                     raise RuntimeError("step: nothing schedulable although requests are pending")
                 start = time.perf_counter()
-                plan = self._plan(scheduled)
+                plan = self._plan(scheduled, order)
                 self.control.broadcast_object(plan)
                 logits = self.run(plan)
                 samplers = [s.request for s in scheduled if s.samples]
@@ -164,6 +199,9 @@ class GroupEngine:
                     "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0
                                         or s.num_new > 1),
                     "running": len(self.scheduler.running), "seconds": time.perf_counter() - start})
+                if placement_switch is not None:
+                    retire_source_pages(self.scheduler.placement, placement_switch)
+                    self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
         except BaseException:
             finished.extend(self.scheduler.abort_all())
             try:  # tell the other ranks; if they are stuck in a collective this fails, keep the cause
@@ -174,13 +212,42 @@ class GroupEngine:
         self.control.broadcast_object(None)
         return finished
 
-    def _plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
+    def request_switch(self, dst: Layout | str, blocking: bool = False) -> None:
+        """Rank 0: switch to ``dst`` at the next step boundary."""
+        self.pending_switch = (Layout.parse(dst, "dst"), blocking)
+
+    def _switch_at_boundary(self):
+        """Rank 0: commit a requested or scheduled switch before scheduling the step (or defer it)."""
+        want = self.pending_switch
+        if want is None and self.num_steps in self.switch_schedule:
+            want = (self.switch_schedule[self.num_steps], False)
+        if want is None or want[0] is self.layout:
+            self.pending_switch = None
+            return None, None
+        dst, blocking = want
+        placement = self.scheduler.placement
+        result = switch_placement(placement, list(self.scheduler.running), dst)
+        record = {"src": self.layout.value, "dst": dst.value, "step": self.num_steps, "blocking": blocking,
+                  "deferred_reason": None}
+        if isinstance(result, str):
+            record["deferred_reason"] = result
+            last = self.switch_log[-1] if self.switch_log else {}
+            if last.get("deferred_reason") != result or last.get("dst") != dst.value:
+                self.switch_log.append(record)
+            self.pending_switch = want  # retried at the next boundary; serving goes on in the source
+            return None, None
+        self.pending_switch = None
+        record["moves"] = [(m.num_tokens, m.owner) for m in result.moves]
+        self.switch_log.append(record)
+        return SwitchOrder(result.src, dst, result.moves, blocking), result
+
+    def _plan(self, scheduled: list[ScheduledSeq], switch: SwitchOrder | None = None) -> StepPlan:
         seqs = []
         for s in scheduled:
             r = s.request
             seqs.append(PlannedSeq(r.request_id, r.token_ids[s.start: s.start + s.num_new], s.start, s.num_new,
                                    [list(t) for t in r.rank_pages], s.samples, r.owner))
-        return StepPlan(self.num_steps, self.layout, seqs)
+        return StepPlan(self.num_steps, switch.dst if switch else self.layout, seqs, switch)
 
     # ---- accounting ----------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:

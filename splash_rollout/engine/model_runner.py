@@ -17,13 +17,16 @@ class ModelRunner:
         self.executor = executor
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, logits: bool = True) -> torch.Tensor | None:
+    def forward(self, batch: ForwardBatch, logits: bool = True, before_layer=None) -> torch.Tensor | None:
         """→ logits [R, vocab] for ``batch.sample_rows`` (None when ``logits`` is False: ranks
-        other than the driver run the layers for their collectives but sample nothing)."""
+        other than the driver run the layers for their collectives but sample nothing).
+        ``before_layer(i)``: called before layer i runs (a live switch installs layer i's state)."""
         decoder = self.model.model
         with forward_context(batch):
             h = decoder.embed_tokens(batch.input_ids)  # [N, hidden]
-            for layer in decoder.layers:
+            for i, layer in enumerate(decoder.layers):
+                if before_layer is not None:
+                    before_layer(i)
                 h = h + self.executor.forward(layer.self_attn, layer.input_layernorm(h), batch)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             if not logits:

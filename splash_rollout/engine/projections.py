@@ -78,9 +78,9 @@ def slice_projections(attn, heads: slice, q_b: torch.Tensor | None = None, kv_b:
     qk, kvd, v = attn.nope_dim + attn.rope_dim, attn.nope_dim + attn.v_dim, attn.v_dim
     a, b = heads.start, heads.stop
     if (a, b) == (0, attn.num_heads):
-        return ProjectionShard(heads, q_b, kv_b, o)
-    return ProjectionShard(heads, q_b[a * qk: b * qk].clone(), kv_b[a * kvd: b * kvd].clone(),
-                           o[:, a * v: b * v].clone())
+        return ProjectionShard(heads, q_b.detach(), kv_b.detach(), o.detach())
+    return ProjectionShard(heads, q_b[a * qk: b * qk].detach().clone(), kv_b[a * kvd: b * kvd].detach().clone(),
+                           o[:, a * v: b * v].detach().clone())
 
 
 def drop_full_projections(attn) -> None:

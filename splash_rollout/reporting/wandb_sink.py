@@ -37,6 +37,9 @@ class WandbSink(MetricsSink):
         self.run.log({key: self._wandb.Image(path)}, step=step)
 
     def finish(self) -> None:
+        """Close the run and wait until its record log is on disk (wandb-core writes it from a
+        separate process; ``run.finish`` can return before the last records land)."""
         if self.run is not None:
             self.run.finish()
             self.run = None
+            self._wandb.teardown()

@@ -87,3 +87,23 @@ def memory_report(ctx, model: str, layout: str, budget_bytes: int):
             placement.release(r)
     engine.serve(None) if ctx.rank else engine.control.broadcast_object(None)
     return report
+
+
+def run_switch(ctx, model: str, src: str, dst: str, at_steps: list[int], blocking: bool = False):
+    """Serve the mixed batch starting in ``src`` and switching at the given steps (alternating
+    dst, src, dst, ...). Returns, per rank, the switch bytes counted by the wrappers; rank 0 adds
+    the outputs, the switch log and the pages left in use."""
+    engine = build_group_engine(ctx, model, src)
+    layouts = [dst, src] * len(at_steps)
+    if ctx.rank == 0:
+        engine.switch_schedule = {step: Layout.parse(l) for step, l in zip(at_steps, layouts)}
+        for step in at_steps:
+            pass
+    finished = engine.serve(make_requests(model) if ctx.rank == 0 else None)
+    counted = engine.comm.counter
+    mine = {"sent": counted.total("switch/")[0], "received": counted.total("switch/")[1],
+            "shards": [tuple(t.clone() for t in s.tensors().values()) for s in engine.state.shards]}
+    if ctx.rank:
+        return mine
+    return dict(mine, outputs=outputs(finished), log=engine.switch_log,
+                pages_left=engine.scheduler.placement.pages_in_use)

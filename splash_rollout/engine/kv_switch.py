@@ -1,0 +1,99 @@
+"""Re-placing every running history for a layout switch (driver side, paper §4.1 steps 1 and 4).
+
+At a step boundary the driver computes, for each running request, its page tables under the
+destination ownership: a rank that already stores a logical page keeps that very page (a discard
+keeps what the destination needs in place), every other destination copy gets a freshly allocated
+page — all before the step runs, so no layer ever waits for memory. Reservations for future tokens
+are re-made under the destination ownership. If any rank lacks the pages, the switch is deferred
+with the reason and nothing changes. Pages only the source needed are freed after the step.
+
+``KVMove`` records are broadcast to the ranks, which turn them into per-layer token transfers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splash_rollout.engine.page_manager import num_pages_for
+from splash_rollout.engine.placement import NOT_HERE, KVPlacement, pages_on_each_rank, rank_of_page
+from splash_rollout.engine.request import Request
+from splash_rollout.layout.layouts import Layout
+
+
+@dataclass(frozen=True)
+class KVMove:
+    """One request's history across a switch."""
+
+    request_id: int
+    owner: int
+    num_tokens: int
+    """Tokens with KV in the pool when the switch starts."""
+    src_pages: list[list[int]]
+    """[T][L] page tables before the switch (-1: not stored there)."""
+    dst_pages: list[list[int]]
+    """[T][L] page tables after the switch."""
+
+
+@dataclass
+class PlacementSwitch:
+    """What the driver committed for a switch: the moves, and the source pages to free after the step."""
+
+    src: Layout
+    dst: Layout
+    moves: list[KVMove]
+    retire: list[list[int]]
+    """[T] physical pages to free once the switching step is done."""
+
+
+def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout) -> PlacementSwitch | str:
+    """Re-place every running history under ``dst``; a string (the reason) when it cannot be done."""
+    t, ps = placement.world_size, placement.page_size
+    src = placement.layout
+    new_pages = [0] * t
+    reserve = [0] * t
+    per_request = []
+    for req in running:
+        have = req.num_logical_pages
+        total = num_pages_for(req.max_total_tokens, ps)
+        stored = pages_on_each_rank(have, dst.ownership, req.owner, t)
+        kept = [sum(1 for p in range(have) if req.rank_pages[r][p] != NOT_HERE
+                    and rank_of_page(p, dst.ownership, req.owner, t) in (-1, r)) for r in range(t)]
+        need_total = pages_on_each_rank(total, dst.ownership, req.owner, t)
+        for r in range(t):
+            new_pages[r] += stored[r] - kept[r]
+            reserve[r] += need_total[r] - stored[r]
+        per_request.append((req, need_total, stored))
+    for r, m in enumerate(placement.managers):
+        # the request's own source reservations come back before the destination's are taken
+        freed = sum(req.reserved_per_rank[r] for req in running)
+        room = m.num_free - (m.num_reserved - freed)
+        if new_pages[r] + reserve[r] > room:
+            return (f"rank {r} needs {new_pages[r]} new KV pages plus {reserve[r]} reserved for growth in "
+                    f"{dst}, but has {room} free while the source pages are still held")
+    moves, retire = [], [[] for _ in range(t)]
+    for req, need_total, stored in per_request:
+        for r in range(t):
+            placement.managers[r].release(req.reserved_per_rank[r])
+        src_pages = [list(x) for x in req.rank_pages]
+        dst_pages = [[NOT_HERE] * req.num_logical_pages for _ in range(t)]
+        for p in range(req.num_logical_pages):
+            where = rank_of_page(p, dst.ownership, req.owner, t)
+            for r in range(t):
+                if where in (-1, r):
+                    old = src_pages[r][p]
+                    dst_pages[r][p] = old if old != NOT_HERE else placement.managers[r].allocate(1)[0]
+        for r in range(t):
+            keep = set(dst_pages[r])
+            retire[r] += [p for p in src_pages[r] if p != NOT_HERE and p not in keep]
+            placement.managers[r].reserve(need_total[r] - stored[r])
+        req.rank_pages = dst_pages
+        req.reserved_per_rank = [need_total[r] - stored[r] for r in range(t)]
+        moves.append(KVMove(req.request_id, req.owner, req.num_computed_tokens, src_pages,
+                            [list(x) for x in dst_pages]))
+    placement.layout = dst
+    return PlacementSwitch(src, dst, moves, retire)
+
+
+def retire_source_pages(placement: KVPlacement, switch: PlacementSwitch) -> None:
+    """After the switching step: free the pages only the source layout needed."""
+    for r, pages in enumerate(switch.retire):
+        placement.managers[r].free(pages)
