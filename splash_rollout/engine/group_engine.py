@@ -131,6 +131,8 @@ class GroupEngine:
         """Rank 0: step number -> layout to switch to at that step (tests and benchmarks)."""
         self.switch_log: list[dict] = []
         """Rank 0: one record per switch or deferral."""
+        self.switch_measures: list[dict] = []
+        """Every rank: bytes and waits of each switch it took part in (merged into switch_log)."""
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, seconds)."""
         if rank == 0:
@@ -151,8 +153,17 @@ class GroupEngine:
                  for s in plan.seqs]
         batch = ForwardBatch.build(items, self.page_size)
         self.num_steps += 1
-        before_layer = self._begin_switch(plan.switch) if plan.switch is not None else None
-        return self.runner.forward(batch, logits=self.rank == 0, before_layer=before_layer)
+        if plan.switch is None:
+            return self.runner.forward(batch, logits=self.rank == 0)
+        sent0, received0 = self.comm.counter.total("switch/")
+        switch = self._begin_switch(plan.switch)
+        logits = self.runner.forward(batch, logits=self.rank == 0, before_layer=switch.before_layer)
+        sent, received = self.comm.counter.total("switch/")
+        self.switch_measures.append({"sent": sent - sent0, "received": received - received0,
+                                     "wait_ms": 1e3 * switch.wait_s,
+                                     "layer_ms": 1e3 * switch.first_layer_s,
+                                     "num_layers": switch.num_layers})
+        return logits
 
     def _begin_switch(self, order: SwitchOrder):
         """Enter ``order.dst``: new rank view and executor now; each layer's state arrives in time."""
@@ -162,16 +173,17 @@ class GroupEngine:
         attns = [layer.self_attn for layer in self.model.model.layers]
         s.view = dst_view
         self.runner.executor = EXECUTORS[order.dst](s)
-        switch = LayerSwitch(order.src, order.dst, dst_view, s.pool, s.shards, attns, routes, self.transfer,
-                             blocking=order.blocking)
-        return switch.before_layer
+        return LayerSwitch(order.src, order.dst, dst_view, s.pool, s.shards, attns, routes, self.transfer,
+                           blocking=order.blocking)
 
-    def serve(self, requests: list[Request] | None = None) -> list[Request] | None:
-        """Run a batch of requests to completion on every rank (rank 0 passes them in)."""
+    def serve(self, requests: list[Request] | None = None, max_steps: int | None = None) -> list[Request] | None:
+        """Run a batch of requests to completion on every rank (rank 0 passes them in). With
+        ``max_steps`` rank 0 stops early and leaves the rest running for the next call."""
         if self.rank != 0:
             while True:
                 plan = self.control.broadcast_object()
                 if plan is None:
+                    self._merge_switch_measures()
                     return None
                 if plan == "abort":
                     raise RuntimeError(f"rank {self.rank}: the driver (rank 0) aborted the call")
@@ -180,8 +192,10 @@ class GroupEngine:
         for req in requests or []:
             self.scheduler.add(req)
         finished: list[Request] = []
+        steps = 0
         try:
-            while self.scheduler.has_unfinished:
+            while self.scheduler.has_unfinished and (max_steps is None or steps < max_steps):
+                steps += 1
                 order, placement_switch = self._switch_at_boundary()
                 scheduled = self.scheduler.schedule()
                 if not scheduled:
@@ -210,7 +224,23 @@ class GroupEngine:
                 pass
             raise
         self.control.broadcast_object(None)
+        self._merge_switch_measures()
         return finished
+
+    def _merge_switch_measures(self) -> None:
+        """Collective: rank 0 adds every rank's bytes and waits to the switches of this call."""
+        everyone = self.control.gather_objects(self.switch_measures)
+        self.switch_measures = []
+        if self.rank != 0:
+            return
+        done = [r for r in self.switch_log if r["deferred_reason"] is None and "bytes_sent" not in r]
+        for k, record in enumerate(done):
+            per_rank = [m[k] for m in everyone]
+            record["bytes_sent"] = [m["sent"] for m in per_rank]
+            record["bytes_received"] = [m["received"] for m in per_rank]
+            record["overhead_ms"] = max(m["wait_ms"] for m in per_rank)
+            record["blocking_estimate_ms"] = (record["overhead_ms"] if record["blocking"] else
+                                              max(m["layer_ms"] for m in per_rank) * per_rank[0]["num_layers"])
 
     def request_switch(self, dst: Layout | str, blocking: bool = False) -> None:
         """Rank 0: switch to ``dst`` at the next step boundary."""

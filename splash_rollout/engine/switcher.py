@@ -11,6 +11,7 @@ collective wrappers under ``switch/weights`` and ``switch/kv``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,12 +72,21 @@ class LayerSwitch:
         self.weights = weight_primitive(src, dst)
         self.pending: dict[int, tuple] = {}
         self.num_layers = len(shards)
+        self.wait_s = 0.0
+        """Time the step spent waiting for and installing switch state (the exposed overhead)."""
+        self.first_layer_s = 0.0
+        """Issue-to-installed time of layer 0, which nothing hides: one layer's transfer."""
+        start = time.perf_counter()
         if blocking:
             for i in range(self.num_layers):
                 self._issue(i)
                 self._install(i)
+                if i == 0:
+                    self.first_layer_s = time.perf_counter() - start
+            self.wait_s = time.perf_counter() - start
         else:
             self._issue(0)
+        self._start = start
 
     # ---- per layer ---------------------------------------------------------------------------
     def before_layer(self, i: int) -> None:
@@ -84,9 +94,13 @@ class LayerSwitch:
         if i + 1 < self.num_layers and i + 1 not in self.pending and not self._installed(i + 1):
             self._issue(i + 1)
         if not self._installed(i):
+            start = time.perf_counter()
             if i not in self.pending:
                 self._issue(i)
             self._install(i)
+            self.wait_s += time.perf_counter() - start
+            if i == 0:
+                self.first_layer_s = time.perf_counter() - self._start
 
     def _installed(self, i: int) -> bool:
         return self.pending.get(i, ()) == "done"

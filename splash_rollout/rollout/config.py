@@ -37,6 +37,8 @@ class EngineConfig:
     device: str = "cpu"
     tokenizer: str | None = None
     """Tokenizer name or path for string prompts; None: the model's (checkpoint folder or preset)."""
+    switch_schedule: dict | None = None
+    """{step: layout}: switch at these engine steps (tests and benchmarks; the scheduler decides otherwise)."""
     rank_timeout_s: float = 60.0
     """Longest wait for any other rank (collectives, step plans); a dead rank becomes an error."""
     flush_denormal: bool = True
@@ -64,3 +66,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         Layout.parse(self.layout, "layout")
+        for step, name in (self.switch_schedule or {}).items():
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"switch_schedule: steps must be non-negative integers, got {step!r}")
+            Layout.parse(name, f"switch_schedule[{step}]")

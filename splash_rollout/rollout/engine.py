@@ -18,8 +18,9 @@ from splash_rollout.engine.kv_pool import KVPoolSpec
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import ModelConfig, PRESETS, resolve_model
 from splash_rollout.rollout.config import EngineConfig
-from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, load_model, serve_records, worker_build,
-                                          worker_can_ever_admit, worker_serve)
+from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, load_model, serve_records, take_logs,
+                                          worker_build, worker_can_ever_admit, worker_request_switch, worker_serve)
+from splash_rollout.rollout.timeline import build_timeline, layout_metrics
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams, Timeline
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,12 +131,17 @@ class RolloutEngine:
                                       r.finish_reason or "abort", r.spec.seed) for r in reqs])
                for i, reqs in enumerate(groups)]
         num_tokens = sum(len(r.output_ids) for r in requests)
-        timeline = Timeline(phases=[{"layout": self.config.layout, "t_start": 0.0, "t_end": elapsed,
-                                     "steps": steps, "batch_size": max_batch, "tokens": num_tokens}])
+        if self.engine is not None:
+            timeline = Timeline(phases=[{"layout": self.config.layout, "t_start": 0.0, "t_end": elapsed,
+                                         "steps": steps, "batch_size_start": max_batch, "batch_size_end": 0,
+                                         "tokens": num_tokens}])
+        else:
+            timeline = build_timeline(*self._last_logs)
         lens = [len(r.output_ids) for r in requests]
         metrics = {"rollout/response_len/mean": float(np.mean(lens)), "rollout/response_len/max": float(max(lens)),
                    "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(steps),
                    "timing_s/generate": elapsed}
+        metrics.update(layout_metrics(timeline))
         return RolloutBatch(out, timeline, metrics)
 
     def _run(self, requests: list[Request]) -> tuple[int, int]:
@@ -154,15 +160,30 @@ class RolloutEngine:
             return self.engine.num_steps - steps0, max_batch
         records = [RequestRecord.of(r) for r in requests]
         if self.group is not None:
-            results = self.group.run(worker_serve, records)[0]
+            results, steps, switches = self.group.run(worker_serve, records)[0]
         else:
             mine = serve_records(self.group_engine, records)
-            results = self.group_engine.control.broadcast_object(mine)
+            mine = take_logs(self.group_engine, mine) if self.rank == 0 else None
+            results, steps, switches = self.group_engine.control.broadcast_object(mine)
+        self._last_logs = (steps, switches)
         by_id = {r.request_id: r for r in results}
         for req in requests:
             res = by_id[req.request_id]
             req.output_ids, req.output_logprobs, req.finish_reason = res.output_ids, res.output_logprobs, res.finish_reason
-        return 0, len(requests)
+        return len(steps), max((s["running"] for s in steps), default=0)
+
+    def switch_layout(self, dst: str, blocking: bool = False) -> None:
+        """Switch the attention layout at the next step boundary (the next ``generate`` call's first
+        step if none is running). ``blocking`` moves all state before the step (the baseline)."""
+        from splash_rollout.layout.layouts import Layout
+
+        Layout.parse(dst, "dst")
+        if self.engine is not None:
+            raise ValueError("switch_layout: a single rank has no layouts to switch between (world_size=1)")
+        if self.group is not None:
+            self.group.run(worker_request_switch, dst, blocking)
+        elif self.rank == 0:
+            self.group_engine.request_switch(dst, blocking)
 
     def _can_ever_admit(self, requests: list[Request]) -> list[bool]:
         if self.engine is not None:

@@ -70,9 +70,12 @@ def build_group_engine(config, groups: ProcessGroups) -> GroupEngine:
     if num_pages < 1:
         raise ValueError(f"memory_budget_gib: {config.memory_budget_gib} GiB per rank holds no KV page after "
                          f"the {layout} attention weights")
-    return GroupEngine(load_model(config, model_config), model_config, groups, layout=layout, num_pages=num_pages,
-                       page_size=config.page_size, max_num_batched_tokens=config.max_num_batched_tokens,
-                       max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend, dtype=dtype)
+    engine = GroupEngine(load_model(config, model_config), model_config, groups, layout=layout, num_pages=num_pages,
+                         page_size=config.page_size, max_num_batched_tokens=config.max_num_batched_tokens,
+                         max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend, dtype=dtype)
+    engine.switch_schedule = {int(step): Layout.parse(l, "switch_schedule") for step, l in
+                              (config.switch_schedule or {}).items()}
+    return engine
 
 
 def serve_records(engine: GroupEngine, records: list[RequestRecord] | None) -> list[RequestResult] | None:
@@ -91,8 +94,22 @@ def worker_build(ctx, config) -> dict:
     return {"num_pages": engine.state.pool.num_pages, **engine.resident_bytes()}
 
 
-def worker_serve(ctx, records: list[RequestRecord]) -> list[RequestResult] | None:
-    return serve_records(ctx.state["engine"], records if ctx.rank == 0 else None)
+def worker_serve(ctx, records: list[RequestRecord]):
+    """Every rank serves; rank 0 returns (results, step log, switch log) and clears its logs."""
+    engine = ctx.state["engine"]
+    results = serve_records(engine, records if ctx.rank == 0 else None)
+    return None if ctx.rank else take_logs(engine, results)
+
+
+def take_logs(engine: GroupEngine, results):
+    steps, switches = engine.step_log, engine.switch_log
+    engine.step_log, engine.switch_log = [], []
+    return results, steps, switches
+
+
+def worker_request_switch(ctx, dst: str, blocking: bool) -> None:
+    if ctx.rank == 0:
+        ctx.state["engine"].request_switch(dst, blocking)
 
 
 def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | None:

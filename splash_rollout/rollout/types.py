@@ -67,9 +67,10 @@ class Timeline:
     """Layout timeline of one generate call (phases of one layout, and the switches between them)."""
 
     phases: list[dict[str, Any]] = field(default_factory=list)
-    """Each: layout, t_start, t_end, steps, batch_size (max), tokens."""
+    """Each: layout, t_start, t_end, steps, batch_size_start, batch_size_end, tokens (rollout/timeline.py)."""
     switches: list[dict[str, Any]] = field(default_factory=list)
-    """Each: step, from, to, bytes_sent, bytes_received, overhead_s."""
+    """Each: src, dst, step, bytes_sent [T], bytes_received [T], overhead_ms, blocking_estimate_ms,
+    deferred_reason (None when the switch happened)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -107,3 +107,54 @@ def run_switch(ctx, model: str, src: str, dst: str, at_steps: list[int], blockin
         return mine
     return dict(mine, outputs=outputs(finished), log=engine.switch_log,
                 pages_left=engine.scheduler.placement.pages_in_use)
+
+
+def kv_snapshot(engine) -> dict:
+    """Every rank: {(request_id, position): KV row (all layers, + indexer keys)} for what it stores.
+    Rank 0 broadcasts the page tables of the running requests."""
+    tables = None
+    if engine.rank == 0:
+        tables = {r.request_id: (r.rank_pages, r.num_computed_tokens) for r in engine.scheduler.running}
+    tables = engine.control.broadcast_object(tables)
+    pool, ps, out = engine.state.pool, engine.page_size, {}
+    for rid, (rank_pages, n) in tables.items():
+        for pos in range(n):
+            page = rank_pages[engine.rank][pos // ps]
+            if page < 0:
+                continue
+            slot = page * ps + pos % ps
+            rows = [pool.kv[i].view(-1, pool.kv[i].shape[-1])[slot] for i in range(len(pool.kv))]
+            rows += [k.view(-1, k.shape[-1])[slot] for k in pool.index_k if k is not None]
+            out[(rid, pos)] = torch.cat(rows).clone()
+    return out
+
+
+def round_trip(ctx, model: str, a: str, b: str):
+    """A for 3 steps, one step in B, one back in A: KV of the positions that existed before and the
+    projection shards must be bit-identical to what A held."""
+    engine = build_group_engine(ctx, model, a)
+    engine.serve(make_requests(model) if ctx.rank == 0 else None, max_steps=3)
+    before_kv = kv_snapshot(engine)
+    before_shards = [tuple(t.clone() for t in s.tensors().values()) for s in engine.state.shards]
+    for layout in (b, a):
+        if ctx.rank == 0:
+            engine.request_switch(layout)
+        engine.serve(None, max_steps=1)
+    after_kv = kv_snapshot(engine)
+    after_shards = [tuple(s.tensors().values()) for s in engine.state.shards]
+    same_kv = all(k in after_kv and torch.equal(v, after_kv[k]) for k, v in before_kv.items())
+    same_shards = all(torch.equal(x, y) for p, q in zip(before_shards, after_shards) for x, y in zip(p, q))
+    engine.serve(None)  # finish the batch
+    return len(before_kv), same_kv, same_shards
+
+
+def deferred_switch(ctx, model: str, src: str, dst: str, num_pages: int):
+    """A switch into a layout whose pools cannot hold the running batch is deferred with a reason;
+    serving goes on in the source layout and nothing is lost."""
+    engine = build_group_engine(ctx, model, src, num_pages=num_pages)
+    if ctx.rank == 0:
+        engine.switch_schedule = {6: Layout.parse(dst)}
+    finished = engine.serve(make_requests(model) if ctx.rank == 0 else None)
+    if ctx.rank:
+        return None
+    return outputs(finished), engine.switch_log, engine.scheduler.placement.pages_in_use

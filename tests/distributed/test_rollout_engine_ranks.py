@@ -48,3 +48,23 @@ def test_torchrun_ranks_host_the_engine(single, tmp_path):
 def test_world_size_must_divide_heads():
     with pytest.raises(ValueError, match="world_size: 3 does not divide num_heads=8"):
         RolloutEngine(EngineConfig(model="glm5-nano", world_size=3))
+
+
+def test_switch_schedule_and_switch_layout_show_in_the_timeline(single):
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="tp", max_num_batched_tokens=64, page_size=8,
+                       switch_schedule={3: "dp"})
+    with RolloutEngine(cfg) as engine:
+        batch = engine.generate(PROMPTS, PARAMS)
+        assert _responses(batch) == single
+        t = batch.timeline.to_dict()
+        assert [p["layout"] for p in t["phases"]] == ["tp", "dp"]
+        (sw,) = t["switches"]
+        assert (sw["src"], sw["dst"], sw["step"], sw["deferred_reason"]) == ("tp", "dp", 3, None)
+        assert len(sw["bytes_sent"]) == 2 and sw["bytes_received"][0] > 0 and sw["overhead_ms"] >= 0
+        assert batch.metrics["layout/switches"] == 1.0
+        engine.switch_layout("cp")
+        again = engine.generate(PROMPTS, PARAMS)
+        assert _responses(again) == single
+        assert again.timeline.phases[0]["layout"] == "cp" and again.timeline.switches[0]["src"] == "dp"
+    with pytest.raises(ValueError, match=r"switch_schedule\[2\]: unknown layout 'zz'"):
+        EngineConfig(world_size=2, switch_schedule={2: "zz"})

@@ -7,7 +7,7 @@ import torch
 
 from splash_rollout.engine.group_engine import sizes_for
 from splash_rollout.layout import BatchKV, Layout, SwitchPlan
-from tests.distributed.layout_cases import MODELS, PAGE_SIZE, run_switch, single_rank
+from tests.distributed.layout_cases import MODELS, PAGE_SIZE, round_trip, run_switch, single_rank
 
 DIRECTIONS = [(a.value, b.value) for a, b in permutations([Layout.TP, Layout.DP, Layout.DOP, Layout.CP], 2)]
 # step 3: long prompts still in chunked prefill, short ones decoding; step 9: some requests finished
@@ -36,7 +36,22 @@ def test_switch_mid_batch_keeps_tokens_and_moves_the_predicted_bytes(group2, ora
         assert head["outputs"][rid][0] == tokens, f"request {rid}"
         assert max(abs(a - b) for a, b in zip(head["outputs"][rid][1], logprobs)) < 1e-4
     plan = _predicted(src, dst, done[0]["moves"], 2)
-    assert [r["sent"] for r in results] == list(plan.bytes_sent_per_rank)
+    assert [r["sent"] for r in results] == list(plan.bytes_sent_per_rank) == done[0]["bytes_sent"]
     assert [r["received"] for r in results] == list(plan.bytes_received_per_rank)
     if (src, dst) in {("tp", "dop"), ("dp", "dop")}:
         assert plan.max_bytes_received == 0
+
+
+@pytest.mark.parametrize("a,b", [("tp", "cp"), ("dop", "cp"), ("dp", "tp"), ("dop", "dp"), ("cp", "dp")])
+def test_round_trip_leaves_kv_and_shards_bit_identical(group2, a, b):
+    for rows, same_kv, same_shards in group2.run(round_trip, "glm5-nano", a, b, timeout_s=300):
+        assert rows > 0 and same_kv and same_shards
+
+
+def test_a_switch_that_does_not_fit_is_deferred_and_nothing_is_lost(group2, oracle):
+    from tests.distributed.layout_cases import deferred_switch
+    out, log, pages_left = group2.run(deferred_switch, "glm5-nano", "dp", "tp", 64, timeout_s=300)[0]
+    assert log[0]["deferred_reason"] and "needs" in log[0]["deferred_reason"]
+    assert log[0]["step"] == 6
+    assert pages_left == [0, 0]
+    assert {rid: toks for rid, (toks, _) in out.items()} == {rid: toks for rid, (toks, _) in oracle.items()}

@@ -83,7 +83,8 @@ def test_wandb_offline_run_holds_metrics_table_and_image(tmp_path, monkeypatch):
     assert glob.glob(os.path.join(runs[0], "files", "media", "table", "timeline", "phases_*.table.json"))
     assert glob.glob(os.path.join(runs[0], "files", "media", "images", "timeline", "plot_*.png"))
     # the run's record log (protobuf records, uncompressed) holds every logged key and value
-    log = open(glob.glob(os.path.join(runs[0], "run-*.wandb"))[0], "rb").read()
+    path = glob.glob(os.path.join(runs[0], "run-*.wandb"))[0]
+    log = open(path, "rb").read()
     assert b"reward/mean" in log and b"0.25" in log and b"0.5" in log and b"layout/switches" in log
     assert b"timeline/phases" in log and b"table-file" in log
 

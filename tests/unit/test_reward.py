@@ -41,3 +41,20 @@ def test_deterministic():
     assert make_dataset(20, seed=3)["prompt"] == make_dataset(20, seed=3)["prompt"]
     import random
     assert sample_chain(random.Random(0), ChainTaskConfig()) == sample_chain(random.Random(0), ChainTaskConfig())
+
+
+def test_chain_score_hand_computed():
+    from recipes.grpo.reward import chain_score
+
+    ref = "3+4=7,7-2=5,5+1=6#6"
+    assert chain_score(ref, 6, ref) == 1.0
+    assert chain_score("3+4=7,7-2=5,5+1=6#6", 6, ref, answer_weight=0.8) == 1.0
+    # right answer, one of three steps wrong: 0.5 + 0.5 * 2/3
+    assert abs(chain_score("3+4=7,7-2=4,5+1=6#6", 6, ref) - (0.5 + 0.5 * 2 / 3)) < 1e-12
+    # skipped steps: only the first matches, answer right
+    assert abs(chain_score("3+4=7#6", 6, ref) - (0.5 + 0.5 / 3)) < 1e-12
+    # steps shifted by one position count as wrong; garbage scores 0
+    assert chain_score("0+3=3,3+4=7,7-2=5,5+1=6#6", 6, ref) == 0.5
+    assert chain_score("garbage", 6, ref) == 0.0
+    # extra steps beyond the reference are not rewarded, and the answer must be right
+    assert abs(chain_score("3+4=7,7-2=5,5+1=6,6+0=6#7", 6, ref) - 0.5) < 1e-12

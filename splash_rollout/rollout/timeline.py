@@ -1,0 +1,55 @@
+"""Building the public layout timeline of a generate call from the engine's step and switch logs.
+
+A phase is a run of consecutive steps in one layout: ``layout``, ``t_start`` / ``t_end`` (seconds
+from the start of the call), ``steps``, ``batch_size_start`` / ``batch_size_end`` (running requests),
+``tokens`` (query rows processed). A switch record keeps ``src``, ``dst``, ``step``, ``bytes_sent``
+and ``bytes_received`` (one entry per rank), ``overhead_ms`` (time the switching step waited for
+switch state), ``blocking_estimate_ms`` and ``deferred_reason`` (None when it happened).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from splash_rollout.rollout.types import Timeline
+
+SWITCH_KEYS = ("src", "dst", "step", "bytes_sent", "bytes_received", "overhead_ms", "blocking_estimate_ms",
+               "deferred_reason", "blocking")
+
+
+def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    phases: list[dict[str, Any]] = []
+    t = 0.0
+    for s in steps:
+        t_end = t + s["seconds"]
+        if phases and phases[-1]["layout"] == s["layout"]:
+            p = phases[-1]
+            p.update(t_end=t_end, steps=p["steps"] + 1, batch_size_end=s["running"], tokens=p["tokens"] + s["rows"])
+        else:
+            phases.append({"layout": s["layout"], "t_start": t, "t_end": t_end, "steps": 1,
+                           "batch_size_start": s["requests"], "batch_size_end": s["running"], "tokens": s["rows"]})
+        t = t_end
+    return phases
+
+
+def build_timeline(steps: list[dict[str, Any]], switches: list[dict[str, Any]]) -> Timeline:
+    records = []
+    for r in switches:
+        rec = {k: r.get(k) for k in SWITCH_KEYS}
+        if rec["deferred_reason"] is not None:
+            rec.update(bytes_sent=None, bytes_received=None, overhead_ms=None, blocking_estimate_ms=None)
+        records.append(rec)
+    return Timeline(phases=phases_from_steps(steps), switches=records)
+
+
+def layout_metrics(timeline: Timeline) -> dict[str, float]:
+    """``layout/*`` records of one call: time share per layout, switches done and deferred, overhead."""
+    total = sum(p["t_end"] - p["t_start"] for p in timeline.phases) or 1.0
+    out: dict[str, float] = {}
+    for p in timeline.phases:
+        key = f"layout/time_share/{p['layout']}"
+        out[key] = out.get(key, 0.0) + (p["t_end"] - p["t_start"]) / total
+    done = [s for s in timeline.switches if s["deferred_reason"] is None]
+    out["layout/switches"] = float(len(done))
+    out["layout/deferred_switches"] = float(len(timeline.switches) - len(done))
+    out["layout/switch_overhead_ms"] = float(sum(s["overhead_ms"] or 0.0 for s in done))
+    return out
