@@ -1,6 +1,7 @@
 """``python -m splash_rollout.bench layouts``: measured CPU benchmarks, JSON + PNG.
 
-Verbs: ``layouts`` — per-layout step latency over batch x context, prefill and decode.
+Verbs: ``layouts`` — per-layout step latency over batch x context, prefill and decode;
+``switch`` — blocking, overlapped and target-ready step times of the 12 directed switches.
 """
 from __future__ import annotations
 
@@ -42,6 +43,27 @@ def cmd_layouts(args) -> dict:
             "fastest": {k: v[0] for k, v in best.items()}}
 
 
+def cmd_switch(args) -> dict:
+    from splash_rollout.bench.switch import bench_switch_on_rank
+    from splash_rollout.distributed.launch import WorkerGroup
+
+    with WorkerGroup(args.world_size, timeout_s=600) as group:
+        rows = group.run(bench_switch_on_rank, args.model, args.batch, args.context, args.runs, timeout_s=3600)[0]
+    return {"model": args.model, "world_size": args.world_size, "batch": args.batch, "context": args.context,
+            "runs": args.runs, "switches": rows}
+
+
+def print_switch_table(out: dict) -> None:
+    print(f"{out['model']}  T={out['world_size']}  B={out['batch']}  context={out['context']}  runs={out['runs']}"
+          "  (ms; dT = p50(p95) over target-ready)")
+    print(f"{'switch':>9} {'ready':>8} {'blocking':>9} {'dT block':>15} {'overlap':>9} {'dT overlap':>15} {'reduction':>9}")
+    for r in out["switches"]:
+        red = f"{100 * r['overhead_reduction']:.0f}%" if r["overhead_reduction"] is not None else "-"
+        print(f"{r['src'] + '->' + r['dst']:>9} {r['ready_p50_ms']:>8.1f} {r['blocking_p50_ms']:>9.1f} "
+              f"{r['blocking_overhead_p50_ms']:>7.1f}({r['blocking_overhead_p95_ms']:>5.1f}) {r['overlapped_p50_ms']:>9.1f} "
+              f"{r['overlapped_overhead_p50_ms']:>7.1f}({r['overlapped_overhead_p95_ms']:>5.1f}) {red:>9}")
+
+
 def plot_layouts(out: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -76,7 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     lay.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
     lay.add_argument("--json", default="bench_layouts.json", help="output JSON path")
     lay.add_argument("--png", default="bench_layouts.png", help="output plot path")
+    sw = verbs.add_parser("switch", help="blocking / overlapped / target-ready times of the 12 switches")
+    sw.add_argument("--model", default="glm5-nano")
+    sw.add_argument("--world-size", type=int, default=2)
+    sw.add_argument("--batch", type=int, default=4)
+    sw.add_argument("--context", type=int, default=512)
+    sw.add_argument("--runs", type=int, default=20)
+    sw.add_argument("--json", default="bench_switch.json", help="output JSON path")
     args = parser.parse_args(argv)
+    if args.verb == "switch":
+        out = cmd_switch(args)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print_switch_table(out)
+        return 0
     out = cmd_layouts(args)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=2)
