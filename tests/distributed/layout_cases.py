@@ -158,3 +158,14 @@ def deferred_switch(ctx, model: str, src: str, dst: str, num_pages: int):
     if ctx.rank:
         return None
     return outputs(finished), engine.switch_log, engine.scheduler.placement.pages_in_use
+
+
+def run_schedule(ctx, model: str, start: str, schedule: dict[int, str]):
+    """Serve the mixed batch from ``start`` with an arbitrary {step: layout} switch schedule."""
+    engine = build_group_engine(ctx, model, start)
+    if ctx.rank == 0:
+        engine.switch_schedule = {k: Layout.parse(v) for k, v in schedule.items()}
+    finished = engine.serve(make_requests(model) if ctx.rank == 0 else None)
+    if ctx.rank:
+        return None
+    return outputs(finished), engine.switch_log, engine.scheduler.placement.pages_in_use

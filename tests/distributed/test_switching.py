@@ -3,6 +3,8 @@ and the bytes the wrappers count equal the SwitchPlan's prediction."""
 from itertools import permutations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from splash_rollout.engine.group_engine import sizes_for
@@ -55,3 +57,28 @@ def test_a_switch_that_does_not_fit_is_deferred_and_nothing_is_lost(group2, orac
     assert log[0]["step"] == 6
     assert pages_left == [0, 0]
     assert {rid: toks for rid, (toks, _) in out.items()} == {rid: toks for rid, (toks, _) in oracle.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src,dst", DIRECTIONS)
+def test_switch_on_four_ranks(group4, oracle, src, dst):
+    results = group4.run(run_switch, "glm5-nano", src, dst, [4], timeout_s=300)
+    head = results[0]
+    done = [r for r in head["log"] if r["deferred_reason"] is None]
+    assert len(done) == 1 and head["pages_left"] == [0] * 4
+    assert {rid: toks for rid, (toks, _) in head["outputs"].items()} == {rid: t for rid, (t, _) in oracle.items()}
+    plan = _predicted(src, dst, done[0]["moves"], 4)
+    assert [r["received"] for r in results] == list(plan.bytes_received_per_rank)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.integers(1, 14), st.sampled_from(["tp", "dp", "dop", "cp"])), min_size=5, max_size=5,
+                unique_by=lambda x: x[0]),
+       st.sampled_from(["tp", "dp", "dop", "cp"]))
+def test_random_sequences_of_five_switches(group2, oracle, schedule, start):
+    from tests.distributed.layout_cases import run_schedule
+    out, log, pages_left = group2.run(run_schedule, "glm5-nano", start, dict(schedule), timeout_s=300)[0]
+    assert pages_left == [0, 0]
+    assert all(r["deferred_reason"] is None for r in log)
+    assert {rid: toks for rid, (toks, _) in out.items()} == {rid: t for rid, (t, _) in oracle.items()}
