@@ -80,6 +80,8 @@ class SwitchOrder:
     dst: Layout
     moves: list[KVMove]
     blocking: bool = False
+    pool_pages: int | None = None
+    """KV pages per rank in ``dst`` (None: the pool keeps its size)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,10 @@ def pages_per_rank(config: ModelConfig, layout: Layout, world_size: int, budget_
 class GroupEngine:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, groups: ProcessGroups, *, layout: Layout,
                  num_pages: int, page_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 attention_backend: str = "torch_ref", dtype: torch.dtype = torch.float32) -> None:
+                 attention_backend: str = "torch_ref", dtype: torch.dtype = torch.float32,
+                 pages_by_layout: dict[Layout, int] | None = None) -> None:
+        """pages_by_layout: KV pages per rank in each layout under one memory budget (memory follows
+        the layout on a switch); None keeps ``num_pages`` in every layout."""
         t, rank = groups.world_size, groups.rank
         self.config, self.groups, self.page_size = config, groups, page_size
         self.rank, self.world_size = rank, t
@@ -123,6 +128,7 @@ class GroupEngine:
         pool = KVPool(KVPoolSpec.from_model(config), num_pages, page_size, dtype)
         self.state = RankState(view, pool, get_backend(attention_backend), shards, self.comm)
         self.model = model
+        self.pages_by_layout = pages_by_layout
         self.runner = ModelRunner(model, EXECUTORS[layout](self.state))
         self.num_steps = 0
         self.pending_switch: tuple[Layout, bool] | None = None
@@ -156,13 +162,15 @@ class GroupEngine:
         if plan.switch is None:
             return self.runner.forward(batch, logits=self.rank == 0)
         sent0, received0 = self.comm.counter.total("switch/")
+        before = self.tracked_bytes()
         switch = self._begin_switch(plan.switch)
         logits = self.runner.forward(batch, logits=self.rank == 0, before_layer=switch.before_layer)
         sent, received = self.comm.counter.total("switch/")
         self.switch_measures.append({"sent": sent - sent0, "received": received - received0,
                                      "wait_ms": 1e3 * switch.wait_s,
                                      "layer_ms": 1e3 * switch.first_layer_s,
-                                     "num_layers": switch.num_layers})
+                                     "num_layers": switch.num_layers, "bytes_before": before,
+                                     "bytes_after": self.tracked_bytes(), "peak_bytes": self._peak_bytes})
         return logits
 
     def _begin_switch(self, order: SwitchOrder):
@@ -173,8 +181,18 @@ class GroupEngine:
         attns = [layer.self_attn for layer in self.model.model.layers]
         s.view = dst_view
         self.runner.executor = EXECUTORS[order.dst](s)
-        return LayerSwitch(order.src, order.dst, dst_view, s.pool, s.shards, attns, routes, self.transfer,
-                           blocking=order.blocking)
+        self._peak_bytes = self.tracked_bytes()
+        switch = LayerSwitch(order.src, order.dst, dst_view, s.pool, s.shards, attns, routes, self.transfer,
+                             blocking=order.blocking, pool_pages=order.pool_pages)
+        switch.on_install = lambda i: self._track(switch)
+        return switch
+
+    def _track(self, switch) -> None:
+        self._peak_bytes = max(self._peak_bytes, self.tracked_bytes() + switch.inflight_bytes())
+
+    def tracked_bytes(self) -> int:
+        """Bytes of what a switch changes on this rank: projection shards and the KV pool."""
+        return sum(x.nbytes for x in self.state.shards) + self.state.pool.nbytes
 
     def serve(self, requests: list[Request] | None = None, max_steps: int | None = None) -> list[Request] | None:
         """Run a batch of requests to completion on every rank (rank 0 passes them in). With
@@ -238,6 +256,7 @@ class GroupEngine:
             per_rank = [m[k] for m in everyone]
             record["bytes_sent"] = [m["sent"] for m in per_rank]
             record["bytes_received"] = [m["received"] for m in per_rank]
+            record["tracked_bytes"] = [(m["bytes_before"], m["peak_bytes"], m["bytes_after"]) for m in per_rank]
             record["overhead_ms"] = max(m["wait_ms"] for m in per_rank)
             record["blocking_estimate_ms"] = (record["overhead_ms"] if record["blocking"] else
                                               max(m["layer_ms"] for m in per_rank) * per_rank[0]["num_layers"])
@@ -256,7 +275,9 @@ class GroupEngine:
             return None, None
         dst, blocking = want
         placement = self.scheduler.placement
-        result = switch_placement(placement, list(self.scheduler.running), dst)
+        capacity = [self.pages_by_layout[dst]] * self.world_size if self.pages_by_layout else None
+        result = switch_placement(placement, list(self.scheduler.running), dst, capacity,
+                                  list(self.scheduler.waiting))
         record = {"src": self.layout.value, "dst": dst.value, "step": self.num_steps, "blocking": blocking,
                   "deferred_reason": None}
         if isinstance(result, str):
@@ -269,7 +290,8 @@ class GroupEngine:
         self.pending_switch = None
         record["moves"] = [(m.num_tokens, m.owner) for m in result.moves]
         self.switch_log.append(record)
-        return SwitchOrder(result.src, dst, result.moves, blocking), result
+        pool_pages = self.pages_by_layout[dst] if self.pages_by_layout else None
+        return SwitchOrder(result.src, dst, result.moves, blocking, pool_pages), result
 
     def _plan(self, scheduled: list[ScheduledSeq], switch: SwitchOrder | None = None) -> StepPlan:
         seqs = []

@@ -67,6 +67,28 @@ class KVPool:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv) + sum(
+            t.numel() * t.element_size() for t in self.index_k if t is not None)
+
+    def resize_layer(self, layer: int, num_pages: int) -> None:
+        """Give layer ``layer`` exactly ``num_pages`` pages, keeping pages [0, min(old, new)).
+
+        A live switch resizes one layer at a time (memory follows the layout: replicated weights take
+        KV pages, sharded ones give them back), so the transient is one layer's tensors."""
+        def resized(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((num_pages,) + tuple(t.shape[1:]))
+            keep = min(num_pages, t.shape[0])
+            out[:keep] = t[:keep]
+            return out
+
+        self.kv[layer] = resized(self.kv[layer])
+        if self.index_k[layer] is not None:
+            self.index_k[layer] = resized(self.index_k[layer])
+        if all(t.shape[0] == num_pages for t in self.kv):
+            self.num_pages = num_pages
+
     def fill_(self, value: float) -> None:
         """Overwrite every slot (tests fill with NaN so any read of an unwritten slot shows)."""
         for t in self.kv:

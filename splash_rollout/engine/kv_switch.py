@@ -42,12 +42,25 @@ class PlacementSwitch:
     moves: list[KVMove]
     retire: list[list[int]]
     """[T] physical pages to free once the switching step is done."""
+    capacity: list[int]
+    """[T] pages per rank in the destination layout (the page managers shrink to it after the step)."""
 
 
-def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout) -> PlacementSwitch | str:
-    """Re-place every running history under ``dst``; a string (the reason) when it cannot be done."""
+def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout,
+                     capacity: list[int] | None = None, waiting: list[Request] = ()) -> PlacementSwitch | str:
+    """Re-place every running history under ``dst``; a string (the reason) when it cannot be done.
+
+    ``capacity``: pages per rank in ``dst`` (memory follows the layout: fewer when ``dst`` replicates
+    the projections). Pages at or above a shrinking capacity are relocated below it."""
     t, ps = placement.world_size, placement.page_size
     src = placement.layout
+    cap_src = [m.num_pages for m in placement.managers]
+    cap = list(capacity) if capacity is not None else cap_src
+    for req in waiting:  # never switch into a layout that could not admit what is queued
+        need = pages_on_each_rank(num_pages_for(req.max_total_tokens, ps), dst.ownership, 0, t)
+        if max(need) > min(cap):
+            return (f"request {req.request_id} ({req.max_total_tokens} tokens) could never be admitted in {dst} "
+                    f"({min(cap)} pages per rank)")
     new_pages = [0] * t
     reserve = [0] * t
     per_request = []
@@ -55,7 +68,7 @@ def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout
         have = req.num_logical_pages
         total = num_pages_for(req.max_total_tokens, ps)
         stored = pages_on_each_rank(have, dst.ownership, req.owner, t)
-        kept = [sum(1 for p in range(have) if req.rank_pages[r][p] != NOT_HERE
+        kept = [sum(1 for p in range(have) if 0 <= req.rank_pages[r][p] < cap[r]
                     and rank_of_page(p, dst.ownership, req.owner, t) in (-1, r)) for r in range(t)]
         need_total = pages_on_each_rank(total, dst.ownership, req.owner, t)
         for r in range(t):
@@ -65,10 +78,16 @@ def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout
     for r, m in enumerate(placement.managers):
         # the request's own source reservations come back before the destination's are taken
         freed = sum(req.reserved_per_rank[r] for req in running)
-        room = m.num_free - (m.num_reserved - freed)
+        free = m.num_free + cap[r] - cap_src[r] if cap[r] >= cap_src[r] else m.free_below(cap[r])
+        room = free - (m.num_reserved - freed)
         if new_pages[r] + reserve[r] > room:
             return (f"rank {r} needs {new_pages[r]} new KV pages plus {reserve[r]} reserved for growth in "
-                    f"{dst}, but has {room} free while the source pages are still held")
+                    f"{dst} ({cap[r]} pages there), but has {room} free while the source pages are still held")
+    for r, m in enumerate(placement.managers):
+        if cap[r] >= cap_src[r]:
+            m.resize(cap[r])  # sharded projections give memory back: more pages at once
+        else:
+            m.retire_above(cap[r])  # replicated ones take it: nothing new above the line
     moves, retire = [], [[] for _ in range(t)]
     for req, need_total, stored in per_request:
         for r in range(t):
@@ -80,7 +99,7 @@ def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout
             for r in range(t):
                 if where in (-1, r):
                     old = src_pages[r][p]
-                    dst_pages[r][p] = old if old != NOT_HERE else placement.managers[r].allocate(1)[0]
+                    dst_pages[r][p] = old if 0 <= old < cap[r] else placement.managers[r].allocate(1)[0]
         for r in range(t):
             keep = set(dst_pages[r])
             retire[r] += [p for p in src_pages[r] if p != NOT_HERE and p not in keep]
@@ -90,10 +109,13 @@ def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout
         moves.append(KVMove(req.request_id, req.owner, req.num_computed_tokens, src_pages,
                             [list(x) for x in dst_pages]))
     placement.layout = dst
-    return PlacementSwitch(src, dst, moves, retire)
+    return PlacementSwitch(src, dst, moves, retire, cap)
 
 
 def retire_source_pages(placement: KVPlacement, switch: PlacementSwitch) -> None:
-    """After the switching step: free the pages only the source layout needed."""
+    """After the switching step: free the pages only the source layout needed, and shrink the page
+    managers to the destination's capacity."""
     for r, pages in enumerate(switch.retire):
         placement.managers[r].free(pages)
+        if switch.capacity[r] < placement.managers[r].num_pages:
+            placement.managers[r].resize(switch.capacity[r])

@@ -79,6 +79,28 @@ class PageManager:
             self._reserved -= n
         return pages
 
+    # ---- capacity (memory follows the layout) ---------------------------------------------------
+    def free_below(self, limit: int) -> int:
+        """Free pages with ids < limit."""
+        return sum(1 for p in self._free if p < limit)
+
+    def retire_above(self, limit: int) -> None:
+        """Stop handing out free pages with ids >= limit (they leave when ``resize`` shrinks)."""
+        self._free = [p for p in self._free if p < limit]
+
+    def resize(self, num_pages: int) -> None:
+        """Set the page count: growing adds free ids at the top; shrinking needs every id >= num_pages
+        free (those ids are dropped)."""
+        if num_pages < 1:
+            raise ValueError(f"num_pages: expected >= 1, got {num_pages}")
+        busy = [p for p in self._in_use if p >= num_pages]
+        if busy:
+            raise RuntimeError(f"resize: pages {sorted(busy)[:5]} >= {num_pages} are still in use")
+        free = sorted(set(range(num_pages)) - self._in_use, reverse=True)
+        if self._reserved > len(free):
+            raise RuntimeError(f"resize: {self._reserved} pages reserved, only {len(free)} would be free")
+        self._free, self.num_pages = free, num_pages
+
     def free(self, pages: list[int]) -> None:
         for p in pages:
             if p not in self._in_use:

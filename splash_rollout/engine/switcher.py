@@ -52,9 +52,10 @@ def token_routes(moves: list[KVMove], rank: int, world_size: int, page_size: int
                 continue
             tokens = range(p * page_size, min((p + 1) * page_size, m.num_tokens))
             for r in range(world_size):
-                if m.dst_pages[r][p] == NOT_HERE or m.src_pages[r][p] != NOT_HERE:
-                    continue  # r does not need it, or already holds it
-                q = holders[0] if len(holders) == 1 else r  # EVERY sources never reach here
+                if m.dst_pages[r][p] in (NOT_HERE, m.src_pages[r][p]):
+                    continue  # r does not need it, or keeps it in place
+                # r's own copy when it is being relocated below a shrinking capacity, else the holder
+                q = r if m.src_pages[r][p] != NOT_HERE else holders[0]
                 if q == rank:
                     send[r] += [m.src_pages[q][p] * page_size + x % page_size for x in tokens]
                 if r == rank:
@@ -66,8 +67,13 @@ class LayerSwitch:
     """The in-flight switch of one step: per-layer transfers issued ahead and installed on demand."""
 
     def __init__(self, src: Layout, dst: Layout, view: RankView, pool: KVPool, shards: list[ProjectionShard],
-                 attns: list, routes: TokenRoutes, comm: Comm, blocking: bool = False) -> None:
+                 attns: list, routes: TokenRoutes, comm: Comm, blocking: bool = False,
+                 pool_pages: int | None = None, on_install=None) -> None:
         self.src, self.dst, self.view, self.pool = src, dst, view, pool
+        self.pool_pages = pool_pages
+        """Destination pages per layer; each layer's KV tensors are resized in its turn."""
+        self.on_install = on_install
+        """Called after each layer's state is in place (memory tracking)."""
         self.shards, self.attns, self.routes, self.comm = shards, attns, routes, comm
         self.weights = weight_primitive(src, dst)
         self.pending: dict[int, tuple] = {}
@@ -90,9 +96,8 @@ class LayerSwitch:
 
     # ---- per layer ---------------------------------------------------------------------------
     def before_layer(self, i: int) -> None:
-        """Called by the runner before layer i computes: start layer i+1, finish layer i."""
-        if i + 1 < self.num_layers and i + 1 not in self.pending and not self._installed(i + 1):
-            self._issue(i + 1)
+        """Called by the runner before layer i computes: finish layer i, then start layer i+1 so its
+        transfer runs while layer i computes (one layer's buffers in flight at a time)."""
         if not self._installed(i):
             start = time.perf_counter()
             if i not in self.pending:
@@ -101,6 +106,8 @@ class LayerSwitch:
             self.wait_s += time.perf_counter() - start
             if i == 0:
                 self.first_layer_s = time.perf_counter() - self._start
+        if i + 1 < self.num_layers and i + 1 not in self.pending:
+            self._issue(i + 1)
 
     def _installed(self, i: int) -> bool:
         return self.pending.get(i, ()) == "done"
@@ -109,14 +116,34 @@ class LayerSwitch:
         weights = self._issue_weights(i)
         kv = self._issue_kv(i)
         self.pending[i] = (weights, kv)
+        if self.on_install is not None:
+            self.on_install(i)
+
+    def inflight_bytes(self) -> int:
+        """Receive buffers of issued layers not yet installed (gathered weights, KV rows)."""
+        total = 0
+        for i, state in self.pending.items():
+            if state == "done":
+                continue
+            if state[0] is not None and self.weights is Primitive.ALL_GATHER:
+                total += self.shards[i].nbytes * self.view.world_size
+            if state[1] is not None:
+                kv, idx = self._rows(i)
+                row = (kv.shape[1] + (idx.shape[1] if idx is not None else 0)) * kv.element_size()
+                total += row * sum(len(x) for x in self.routes.recv_slots)
+        return total
 
     def _install(self, i: int) -> None:
         weights, kv = self.pending[i]
         if weights is not None:
             self.shards[i] = weights()
+        if self.pool_pages is not None and self.pool.kv[i].shape[0] != self.pool_pages:
+            self.pool.resize_layer(i, self.pool_pages)
         if kv is not None:
             kv()
         self.pending[i] = "done"
+        if self.on_install is not None:
+            self.on_install(i)
 
     # ---- weights -------------------------------------------------------------------------------
     def _issue_weights(self, i: int):
@@ -153,10 +180,13 @@ class LayerSwitch:
             tag="switch/kv", async_op=True)
         recv_slots = torch.tensor([s for slots in self.routes.recv_slots for s in slots], dtype=torch.int64)
 
-        def install() -> None:
+        width = kv.shape[1]
+
+        def install() -> None:  # into the layer's tensors as they are now (possibly resized)
             got = pending.wait()
-            kv[recv_slots] = got[:, : kv.shape[1]]
-            if idx is not None:
-                idx[recv_slots] = got[:, kv.shape[1]:]
+            kv_now, idx_now = self._rows(i)
+            kv_now[recv_slots] = got[:, :width]
+            if idx_now is not None:
+                idx_now[recv_slots] = got[:, width:]
 
         return install

@@ -65,14 +65,17 @@ def build_group_engine(config, groups: ProcessGroups) -> GroupEngine:
     model_config = resolve_model(config.model)
     dtype = TORCH_DTYPES[config.dtype]
     layout = Layout.parse(config.layout)
-    num_pages = config.num_pages or pages_per_rank(model_config, layout, groups.world_size,
-                                                   int(config.memory_budget_gib * 2**30), config.page_size, dtype)
+    budget = int(config.memory_budget_gib * 2**30)
+    pages_by_layout = None if config.num_pages else {
+        l: pages_per_rank(model_config, l, groups.world_size, budget, config.page_size, dtype) for l in Layout}
+    num_pages = config.num_pages or pages_by_layout[layout]
     if num_pages < 1:
         raise ValueError(f"memory_budget_gib: {config.memory_budget_gib} GiB per rank holds no KV page after "
                          f"the {layout} attention weights")
     engine = GroupEngine(load_model(config, model_config), model_config, groups, layout=layout, num_pages=num_pages,
                          page_size=config.page_size, max_num_batched_tokens=config.max_num_batched_tokens,
-                         max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend, dtype=dtype)
+                         max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend, dtype=dtype,
+                         pages_by_layout=pages_by_layout)
     engine.switch_schedule = {int(step): Layout.parse(l, "switch_schedule") for step, l in
                               (config.switch_schedule or {}).items()}
     return engine

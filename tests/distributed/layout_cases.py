@@ -55,11 +55,13 @@ def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budge
     cfg = MODELS[model]
     torch.set_flush_denormal(True)
     lay = Layout.parse(layout)
+    by_layout = None
     if budget_bytes is not None:
-        num_pages = pages_per_rank(cfg, lay, ctx.world_size, budget_bytes, PAGE_SIZE, torch.float32)
+        by_layout = {l: pages_per_rank(cfg, l, ctx.world_size, budget_bytes, PAGE_SIZE, torch.float32) for l in Layout}
+        num_pages = by_layout[lay]
     return GroupEngine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, ctx.groups, layout=lay,
                        num_pages=num_pages, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
-                       max_num_seqs=64)
+                       max_num_seqs=64, pages_by_layout=by_layout)
 
 
 def run_layout(ctx, model: str, layout: str, temperature: float = 0.0):
@@ -85,20 +87,19 @@ def memory_report(ctx, model: str, layout: str, budget_bytes: int):
         report["pool_tokens_by_rank"] = [m.num_pages * PAGE_SIZE for m in placement.managers]
         for r in admitted:
             placement.release(r)
-    engine.serve(None) if ctx.rank else engine.control.broadcast_object(None)
+    engine.serve(None)  # every rank: an empty call ends the worker loop
     return report
 
 
-def run_switch(ctx, model: str, src: str, dst: str, at_steps: list[int], blocking: bool = False):
+def run_switch(ctx, model: str, src: str, dst: str, at_steps: list[int], blocking: bool = False,
+               budget_bytes: int | None = None):
     """Serve the mixed batch starting in ``src`` and switching at the given steps (alternating
     dst, src, dst, ...). Returns, per rank, the switch bytes counted by the wrappers; rank 0 adds
     the outputs, the switch log and the pages left in use."""
-    engine = build_group_engine(ctx, model, src)
+    engine = build_group_engine(ctx, model, src, budget_bytes=budget_bytes)
     layouts = [dst, src] * len(at_steps)
     if ctx.rank == 0:
         engine.switch_schedule = {step: Layout.parse(l) for step, l in zip(at_steps, layouts)}
-        for step in at_steps:
-            pass
     finished = engine.serve(make_requests(model) if ctx.rank == 0 else None)
     counted = engine.comm.counter
     mine = {"sent": counted.total("switch/")[0], "received": counted.total("switch/")[1],
