@@ -90,11 +90,11 @@ class RolloutEngine:
             except ValueError:
                 raise ValueError(f"world_size: {t} does not divide {what}={n} of {self.model_config.name}") from None
         existing = initialized_world_size()
-        if existing is not None:
-            if existing != t:
-                raise ValueError(f"world_size: {t}, but this process group has {existing} ranks")
+        if existing not in (None, 1, t):
+            raise ValueError(f"world_size: {t}, but this process group has {existing} ranks")
+        if existing == t:
             self.group_engine = build_group_engine(self.config, groups_in_process(self.config.rank_timeout_s))
-        else:
+        else:  # a plain process (or a one-rank trainer group): spawn the T ranks
             self.group = WorkerGroup(t, timeout_s=self.config.rank_timeout_s)
             try:
                 self.group.run(worker_build, self.config, timeout_s=max(300.0, self.config.rank_timeout_s))
