@@ -92,3 +92,32 @@ def groups_in_process(timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
     transfer = dist.new_group(ranks, backend=backend, timeout=timeout)
     control = dist.new_group(ranks, backend="gloo", timeout=timeout)
     return ProcessGroups(rank, world, str(backend), compute, transfer, control, timeout_s)
+
+
+def ensure_default_group(rank: int, world_size: int, backend: str = "auto",
+                         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join (or reuse) the default process group for a trainer. The rendezvous comes from
+    MASTER_ADDR / MASTER_PORT (torchrun, a spawning launcher); a lone process takes a free local port.
+    The environment is left untouched."""
+    if dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        init_method = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    else:
+        if world_size != 1:
+            raise RuntimeError(f"world_size {world_size}: set MASTER_ADDR / MASTER_PORT (torchrun does)")
+        from splash_rollout.distributed.launch import free_port
+
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def average_gradients(params) -> None:
+    """Mean of each parameter's gradient over the default group (plain data parallelism)."""
+    world = dist.get_world_size()
+    for p in params:
+        dist.all_reduce(p.grad)
+        p.grad /= world

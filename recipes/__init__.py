@@ -1,0 +1,1 @@
+"""Training loops that use RolloutEngine (GRPO first); each reads like its algorithm."""

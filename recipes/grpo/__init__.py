@@ -1,0 +1,1 @@
+"""GRPO on RolloutEngine: data (task + prompts), reward (verifier), loss, trainer, SFT warm start, loop."""

@@ -1,0 +1,240 @@
+"""The trainer: one model replica per rank, data parallel over the same ranks as the engine.
+
+``Trainer`` hides which optimizer engine runs underneath; the loop only calls ``optimizer_step``
+(micro-batches + a loss function), ``logprobs`` and ``named_weights``:
+
+* ``backend="deepspeed"`` (default): ``deepspeed.initialize`` with ZeRO stage 2 (optimizer state
+  and gradients partitioned over ranks, parameters replicated, so every rank can hand the engine its
+  full weights after a step without a gather). gloo on CPU, NCCL on GPU; torch AdamW inside
+  (``torch_adam``) so no C++ op has to build.
+* ``backend="torch"``: plain ``torch.optim.AdamW`` with gradients averaged by all-reduce, the
+  fallback with the same interface.
+
+Micro-batches of one optimizer step accumulate gradients; the loss function is responsible for
+normalising by the step's global token count (``grpo_loss(normalizer=...)``), so micro-batch and
+rank counts do not change the gradient.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from recipes.grpo.loss import token_logprobs
+from splash_rollout.distributed.groups import average_gradients, ensure_default_group
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    backend: str = "deepspeed"
+    """deepspeed (ZeRO) or torch (plain AdamW + all-reduce)."""
+    zero_stage: int = 2
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    micro_batch_size: int = 64
+    """Sequences per forward/backward on one rank."""
+    dist_backend: str = "auto"
+    """auto: nccl when CUDA is available, else gloo."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("deepspeed", "torch"):
+            raise ValueError(f"trainer.backend: expected deepspeed or torch, got {self.backend!r}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"trainer.zero_stage: expected 0, 1 or 2 (3 shards parameters), got {self.zero_stage}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size: expected >= 1, got {self.micro_batch_size}")
+
+
+def resolve_dist_backend(name: str) -> str:
+    return ("nccl" if torch.cuda.is_available() else "gloo") if name == "auto" else name
+
+
+def ensure_process_group(rank: int, world_size: int, dist_backend: str = "auto") -> None:
+    """Join (or reuse) the default process group (see distributed.groups.ensure_default_group)."""
+    ensure_default_group(rank, world_size, resolve_dist_backend(dist_backend))
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded sequences (prompt + response) of one micro-batch."""
+
+    input_ids: torch.Tensor
+    """[B, S] int64"""
+    attention_mask: torch.Tensor
+    """[B, S] bool, True = real token"""
+    loss_mask: torch.Tensor
+    """[B, S - 1] float32, 1 where target token t+1 is a trained response token"""
+    extras: dict[str, torch.Tensor]
+    """Per-target tensors [B, S - 1] (old_logprobs, ref_logprobs) or per-sample [B] (advantages)."""
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return TrainBatch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
+                          {k: v.to(device) for k, v in self.extras.items()})
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """[B, S - 1] the token each position predicts."""
+        return self.input_ids[:, 1:]
+
+
+def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+            response_mask: Sequence[Sequence[int]] | None = None,
+            per_token: dict[str, Sequence[Sequence[float]]] | None = None,
+            per_sample: dict[str, Sequence[float]] | None = None) -> TrainBatch:
+    """Build a TrainBatch; per-token extras are aligned with the response and padded with 0."""
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    s = max(len(x) for x in seqs)
+    b = len(seqs)
+    ids = torch.full((b, s), pad_id, dtype=torch.long)
+    att = torch.zeros((b, s), dtype=torch.bool)
+    mask = torch.zeros((b, s - 1), dtype=torch.float32)
+    extras = {k: torch.zeros((b, s - 1), dtype=torch.float32) for k in (per_token or {})}
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        n, lp, lr = len(seqs[i]), len(p), len(r)
+        ids[i, :n] = torch.tensor(seqs[i], dtype=torch.long)
+        att[i, :n] = True
+        # target index t predicts token t+1: response token k sits at target index lp - 1 + k
+        rm = response_mask[i] if response_mask is not None else [1] * lr
+        mask[i, lp - 1:lp - 1 + lr] = torch.tensor(rm, dtype=torch.float32)
+        for k, v in (per_token or {}).items():
+            extras[k][i, lp - 1:lp - 1 + lr] = torch.tensor(list(v[i]), dtype=torch.float32)
+    for k, v in (per_sample or {}).items():
+        extras[k] = torch.tensor(list(v), dtype=torch.float32)
+    return TrainBatch(ids, att, mask, extras)
+
+
+LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(token logprobs [B, S-1] of the current model, batch) -> (loss, stats)."""
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, config: TrainerConfig, rank: int = 0, world_size: int = 1,
+                 temperature: float = 1.0) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.temperature = temperature
+        ensure_process_group(rank, world_size, config.dist_backend)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if config.backend == "deepspeed":
+            import deepspeed
+
+            # DeepSpeed reads the local rank from the environment (torchrun sets it); a spawned or
+            # lone process sets its own. Only LOCAL_RANK: RANK / WORLD_SIZE would look like torchrun.
+            os.environ.setdefault("LOCAL_RANK", str(rank))
+
+            ds_config = {
+                "train_micro_batch_size_per_gpu": config.micro_batch_size,
+                "gradient_accumulation_steps": 1,  # boundaries are set by hand in optimizer_step
+                "gradient_clipping": config.grad_clip,
+                "zero_optimization": {"stage": config.zero_stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": config.lr, "betas": list(config.betas),
+                                                          "weight_decay": config.weight_decay,
+                                                          "torch_adam": True}},
+                "steps_per_print": 1 << 30,
+                "wall_clock_breakdown": False,
+            }
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params,
+                                                                     config=ds_config)
+            self.model = self.engine.module
+        else:
+            self.engine = None
+            self.model = model
+            self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
+                                               weight_decay=config.weight_decay)
+        self.model.train()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def reset_optimizer_state(self) -> None:
+        """Forget Adam's moments (e.g. between SFT and RL: SFT's second moments are those of
+        cross-entropy gradients, orders of magnitude larger than policy-gradient ones, and would
+        shrink the first RL updates to nothing while they decay)."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # ZeRO wraps the torch optimizer
+        inner.state.clear()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _forward_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+        module = self.engine if self.engine is not None else self.model
+        anchor = self._grad_order_anchor() if torch.is_grad_enabled() else None
+        logits = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+        temperature = self.temperature if temperature is None else temperature
+        logprobs = token_logprobs(logits[:, :-1], batch.targets.to(self.device), temperature)
+        return logprobs if anchor is None else logprobs + anchor
+
+    def _grad_order_anchor(self) -> torch.Tensor | None:
+        """A zero that depends on every parameter, built *before* the forward.
+
+        ZeRO-2 reduces gradients in buckets filled in the order the parameters' gradients become
+        ready, and that order must match on every rank. MoE layers skip experts that got no tokens,
+        so without this an expert used on one rank and idle on another gets a gradient (and a bucket
+        slot) on one rank only and the reduce-scatter mismatches. The anchor's autograd nodes have
+        the smallest sequence numbers, so the backward engine runs them last: every parameter's
+        gradient becomes ready at the end of backward, in the anchor's fixed order, on every rank.
+        Costs one sum per parameter; only used for DeepSpeed over more than one rank."""
+        if self.engine is None or self.world_size == 1:
+            return None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.stack([p.sum() for p in params]).sum() * 0.0
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, S-1] token logprobs of the current weights (no grad), same temperature as the engine."""
+        return self._forward_logprobs(batch)
+
+    def optimizer_step(self, micro_batches: Sequence[TrainBatch], loss_fn: LossFn,
+                       temperature: float | None = None) -> dict[str, float]:
+        """Accumulate gradients over ``micro_batches`` (this rank's share), then one optimizer step.
+        ``temperature``: of the logprobs handed to ``loss_fn`` (default: the rollout's; SFT uses 1).
+        Returns summed loss, grad norm and the mean of ``loss_fn``'s stats over micro-batches
+        (``*_max`` stats: the max)."""
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        for i, mb in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            if self.engine is not None:
+                self.engine.set_gradient_accumulation_boundary(last)
+            mb = mb.to(self.device)
+            loss, stats = loss_fn(self._forward_logprobs(mb, temperature), mb)
+            if self.engine is not None:
+                self.engine.backward(loss)
+            else:
+                loss.backward()
+            loss_sum += float(loss.detach())
+            for k, v in stats.items():
+                if k.endswith("_max"):
+                    totals[k] = max(totals.get(k, float("-inf")), float(v))
+                else:
+                    totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
+        grad_norm = self._step()
+        return {"loss": loss_sum, "grad_norm": grad_norm, **totals}
+
+    def _step(self) -> float:
+        if self.engine is not None:
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.world_size > 1:
+            average_gradients(params)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip) if self.config.grad_clip > 0 \
+            else torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights under the model's own parameter names (what ``update_weights`` takes).
+        ZeRO-2 keeps parameters replicated, so this is local on every rank."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.config.backend, "world_size": self.world_size, **asdict(self.config)}

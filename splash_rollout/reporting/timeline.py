@@ -1,0 +1,117 @@
+"""The layout timeline of rollout calls: per-step ``layout/*`` records, JSON, table rows and a PNG.
+
+Input is what ``Timeline.to_dict()`` returns for one ``generate`` call: ``phases`` (each: layout,
+t_start, t_end, steps, tokens, and ``batch_size`` or ``batch_size_start`` / ``batch_size_end``) and
+``switches`` (each: src/dst, step, bytes, ``overhead_ms``). Several calls (one per RL step) are laid
+end to end on one time axis in the plot.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+LAYOUT_COLORS = {"tp": "#4c72b0", "dp": "#55a868", "dop": "#c44e52", "cp": "#8172b2"}
+TABLE_COLUMNS = ("rl_step", "layout", "t_start", "t_end", "engine_steps", "batch_size_start",
+                 "batch_size_end", "tokens", "tokens_per_s")
+
+
+def _batch_sizes(phase: dict[str, Any]) -> tuple[int, int]:
+    start = phase.get("batch_size_start", phase.get("batch_size", 0))
+    return int(start), int(phase.get("batch_size_end", start))
+
+
+def _switch_overhead_ms(switch: dict[str, Any]) -> float:
+    if switch.get("overhead_ms") is not None:
+        return float(switch["overhead_ms"])
+    return 1e3 * float(switch.get("overhead_s") or 0.0)
+
+
+def _total_bytes(value: Any) -> float:
+    """``bytes_received`` is one number, one entry per rank, or None (a deferred switch)."""
+    if value is None:
+        return 0.0
+    return float(sum(value)) if isinstance(value, (list, tuple)) else float(value)
+
+
+def layout_metrics(timeline: dict[str, Any]) -> dict[str, float]:
+    """``layout/time_share/<layout>`` (fraction of the call's time per layout), ``layout/switches``
+    (done), ``layout/deferred_switches``, ``layout/switch_overhead_ms`` (exposed, summed) and
+    ``layout/switch_bytes`` (received, summed over switches and ranks)."""
+    phases, switches = timeline.get("phases", []), timeline.get("switches", [])
+    spans: dict[str, float] = {}
+    for p in phases:
+        spans[p["layout"]] = spans.get(p["layout"], 0.0) + max(0.0, p["t_end"] - p["t_start"])
+    total = sum(spans.values())
+    out = {f"layout/time_share/{k}": (v / total if total > 0 else 0.0) for k, v in sorted(spans.items())}
+    done = [s for s in switches if s.get("deferred_reason") is None]
+    out["layout/switches"] = float(len(done))
+    out["layout/deferred_switches"] = float(len(switches) - len(done))
+    out["layout/switch_overhead_ms"] = float(sum(_switch_overhead_ms(s) for s in done))
+    out["layout/switch_bytes"] = float(sum(_total_bytes(s.get("bytes_received")) for s in done))
+    return out
+
+
+def table_rows(step: int, timeline: dict[str, Any]) -> list[list[Any]]:
+    """One row per phase, columns ``TABLE_COLUMNS``."""
+    rows = []
+    for p in timeline.get("phases", []):
+        b0, b1 = _batch_sizes(p)
+        dt = p["t_end"] - p["t_start"]
+        rows.append([step, p["layout"], round(p["t_start"], 6), round(p["t_end"], 6), int(p.get("steps", 0)),
+                     b0, b1, int(p.get("tokens", 0)), (p.get("tokens", 0) / dt if dt > 0 else 0.0)])
+    return rows
+
+
+def write_timeline_json(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) -> None:
+    """``{"steps": [{"step": s, "phases": [...], "switches": [...]}, ...]}``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"steps": [{"step": s, **t} for s, t in timelines]}, f, indent=1)
+
+
+def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) -> str:
+    """Layouts as coloured bands over rollout time (calls laid end to end), batch size (left axis) and
+    tokens/s (right axis) per phase, switches as dashed lines. Writes a PNG; returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(11, 4))
+    ax2 = ax.twinx()
+    offset, seen = 0.0, {}
+    for step, t in timelines:
+        phases = t.get("phases", [])
+        for p in phases:
+            x0, x1 = offset + p["t_start"], offset + p["t_end"]
+            color = LAYOUT_COLORS.get(p["layout"], "#999999")
+            ax.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
+            seen[p["layout"]] = color
+            b0, b1 = _batch_sizes(p)
+            ax.plot([x0, x1], [b0, b1], color="black", lw=1.2)
+            dt = p["t_end"] - p["t_start"]
+            ax2.plot([x0, x1], [p.get("tokens", 0) / dt if dt > 0 else 0.0] * 2, color="tab:orange", lw=1.2)
+        switch_times = [offset + s["t"] for s in t.get("switches", []) if "t" in s]
+        if not switch_times:  # switches without a time: the boundaries between phases
+            switch_times = [offset + p["t_start"] for p in phases[1:]]
+        for x in switch_times:
+            ax.axvline(x, color="gray", ls="--", lw=0.8)
+        end = max((p["t_end"] for p in phases), default=0.0)
+        ax.axvline(offset, color="black", lw=0.5, alpha=0.5)
+        ax.text(offset, 1.0, f" {step}", transform=ax.get_xaxis_transform(), va="top", fontsize=7)
+        offset += end
+    ax.set_xlabel("rollout time (s; RL steps laid end to end)")
+    ax.set_ylabel("running requests (batch size)")
+    ax2.set_ylabel("tokens / s (query rows)", color="tab:orange")
+    handles = [Patch(color=c, alpha=0.4, label=k) for k, c in seen.items()]
+    handles += [plt.Line2D([], [], color="black", label="batch size"),
+                plt.Line2D([], [], color="tab:orange", label="tokens/s")]
+    ax.legend(handles=handles, loc="upper right", fontsize=8)
+    ax.set_title("layout timeline")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
