@@ -27,6 +27,7 @@ from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.engine.kv_switch import KVMove, retire_source_pages, switch_placement
 from splash_rollout.engine.switcher import LayerSwitch, token_routes
+from splash_rollout.engine.weight_update import apply_update, validate_update
 from splash_rollout.engine.model_runner import ModelRunner
 from splash_rollout.engine.parallel_mlp import shard_feed_forward
 from splash_rollout.engine.placement import KVPlacement
@@ -114,6 +115,8 @@ class GroupEngine:
         """pages_by_layout: KV pages per rank in each layout under one memory budget (memory follows
         the layout on a switch); None keeps ``num_pages`` in every layout."""
         t, rank = groups.world_size, groups.rank
+        self.full_shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.state_dict().items()}
+        """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against."""
         self.config, self.groups, self.page_size = config, groups, page_size
         self.rank, self.world_size = rank, t
         self.comm = Comm(groups.compute, rank, t)
@@ -260,6 +263,11 @@ class GroupEngine:
             record["overhead_ms"] = max(m["wait_ms"] for m in per_rank)
             record["blocking_estimate_ms"] = (record["overhead_ms"] if record["blocking"] else
                                               max(m["layer_ms"] for m in per_rank) * per_rank[0]["num_layers"])
+
+    def update_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Every rank: slice the full tensors into this rank's shards (rejected as a whole if bad)."""
+        validate_update(named, self.full_shapes)
+        apply_update(self.model, self.state.shards, named, self.rank, self.world_size)
 
     def request_switch(self, dst: Layout | str, blocking: bool = False) -> None:
         """Rank 0: switch to ``dst`` at the next step boundary."""

@@ -19,7 +19,8 @@ from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import ModelConfig, PRESETS, resolve_model
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, load_model, serve_records, take_logs,
-                                          worker_build, worker_can_ever_admit, worker_request_switch, worker_serve)
+                                          worker_build, worker_can_ever_admit, worker_request_switch, worker_serve,
+                                          worker_update_weights)
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams, Timeline
 
@@ -60,6 +61,8 @@ class RolloutEngine:
         else:
             self._init_group()
         self._tokenizer = None
+        self.weight_version = 0
+        """Stamped on every sample; set by ``update_weights(..., version)``."""
         self._num_calls = 0
         self._next_request_id = 0
         self._closed = False
@@ -97,7 +100,8 @@ class RolloutEngine:
         else:  # a plain process (or a one-rank trainer group): spawn the T ranks
             self.group = WorkerGroup(t, timeout_s=self.config.rank_timeout_s)
             try:
-                self.group.run(worker_build, self.config, timeout_s=max(300.0, self.config.rank_timeout_s))
+                built = self.group.run(worker_build, self.config, timeout_s=max(300.0, self.config.rank_timeout_s))
+                self._full_shapes = built[0]["full_shapes"]
             except BaseException:
                 self.group.shutdown(force=True)
                 raise
@@ -128,7 +132,8 @@ class RolloutEngine:
         steps, max_batch = self._run(requests)
         elapsed = time.perf_counter() - t0
         out = [SampleGroup(i, [Sample(list(r.prompt_ids), list(r.output_ids), list(r.output_logprobs),
-                                      r.finish_reason or "abort", r.spec.seed) for r in reqs])
+                                      r.finish_reason or "abort", r.spec.seed,
+                                      self.weight_version) for r in reqs])
                for i, reqs in enumerate(groups)]
         num_tokens = sum(len(r.output_ids) for r in requests)
         if self.engine is not None:
@@ -255,12 +260,27 @@ class RolloutEngine:
         """Abort everything queued or running; returns how many requests were aborted."""
         return len(self.engine.abort_all()) if self.engine is not None else 0
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load new weights in place (the full state dict, same names as the model's; strict)."""
-        if self.engine is None:
-            raise NotImplementedError("update_weights: multi-rank weight pushes (each rank slicing its shards) "
-                                      "are not implemented yet; use world_size=1")
-        self.model.load_state_dict(state_dict, strict=True)
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Put full (trainer-side) weights into the engine's current layout, named as the model's
+        parameters. Each rank slices its own shards; a bad push (unknown name, shape, dtype) is
+        rejected as a whole and the old weights stay. ``version`` is stamped on later samples."""
+        if self.engine is not None:
+            from splash_rollout.engine.weight_update import validate_update
+
+            validate_update(named_tensors, {n: (tuple(p.shape), p.dtype) for n, p in self.model.state_dict().items()})
+            with torch.no_grad():
+                state = self.model.state_dict()
+                for name, t in named_tensors.items():
+                    state[name].copy_(t)
+        elif self.group is not None:
+            from splash_rollout.engine.weight_update import validate_update
+
+            validate_update(named_tensors, self._full_shapes)  # here, before anything is sent
+            self.group.run(worker_update_weights, dict(named_tensors))
+        else:
+            self.group_engine.update_weights(named_tensors)
+        if version is not None:
+            self.weight_version = version
 
     def shutdown(self) -> None:
         if not self._closed:

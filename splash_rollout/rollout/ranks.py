@@ -94,7 +94,7 @@ def serve_records(engine: GroupEngine, records: list[RequestRecord] | None) -> l
 def worker_build(ctx, config) -> dict:
     ctx.state["engine"] = build_group_engine(config, ctx.groups)
     engine = ctx.state["engine"]
-    return {"num_pages": engine.state.pool.num_pages, **engine.resident_bytes()}
+    return {"num_pages": engine.state.pool.num_pages, "full_shapes": engine.full_shapes, **engine.resident_bytes()}
 
 
 def worker_serve(ctx, records: list[RequestRecord]):
@@ -120,3 +120,7 @@ def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | Non
         return None
     placement = ctx.state["engine"].scheduler.placement
     return [placement.can_ever_admit(r.request()) for r in records]
+
+
+def worker_update_weights(ctx, named) -> None:
+    ctx.state["engine"].update_weights(named)

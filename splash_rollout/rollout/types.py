@@ -49,6 +49,8 @@ class Sample:
     finish_reason: str
     """``stop`` (eos / stop token), ``length`` (max_new_tokens or context) or ``abort``."""
     seed: int
+    weight_version: int = 0
+    """The ``update_weights`` version the sample was generated with."""
 
     @property
     def loss_mask(self) -> list[int]:

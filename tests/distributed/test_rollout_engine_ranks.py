@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 
@@ -68,3 +69,24 @@ def test_switch_schedule_and_switch_layout_show_in_the_timeline(single):
         assert again.timeline.phases[0]["layout"] == "cp" and again.timeline.switches[0]["src"] == "dp"
     with pytest.raises(ValueError, match=r"switch_schedule\[2\]: unknown layout 'zz'"):
         EngineConfig(world_size=2, switch_schedule={2: "zz"})
+
+
+def test_update_weights_slices_into_every_layout_and_rejects_bad_pushes():
+    from splash_rollout.models.model import MLAForCausalLM
+    from splash_rollout.models.config import PRESETS
+
+    new = MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=99).state_dict()
+    with RolloutEngine(EngineConfig(model="glm5-nano", max_num_batched_tokens=64, page_size=8)) as one:
+        one.update_weights(new, version=3)
+        want = _responses(one.generate(PROMPTS, PARAMS))
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="dop", max_num_batched_tokens=64, page_size=8,
+                       switch_schedule={2: "dp"})
+    with RolloutEngine(cfg) as engine:
+        with pytest.raises(ValueError, match="update_weights: model.norm.weight: expected shape"):
+            engine.update_weights({**new, "model.norm.weight": torch.zeros(3)})
+        with pytest.raises(ValueError, match="unknown parameter names"):
+            engine.update_weights({"nope": torch.zeros(1)})
+        engine.update_weights(new, version=3)  # in DOP: head slices of Q-B/KV-B/O, experts spread
+        batch = engine.generate(PROMPTS, PARAMS)  # switches into DP-attention (all heads) at step 2
+        assert _responses(batch) == want
+        assert batch.groups[0].samples[0].weight_version == 3
