@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash_rollout.layout.arith import div_even
-from splash_rollout.models.moe import DenseMLP, MoE
+from splash_rollout.models.moe import DenseMLP, MoE, run_experts
 
 
 class DenseShard(nn.Module):
@@ -44,13 +44,7 @@ class ExpertShard(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> partial [N, hidden]
         idx, weight = self.gate(x)  # [N, k], [N, k]
-        out = torch.zeros_like(x)
-        local = idx - self.first_expert
-        mine = (local >= 0) & (local < len(self.experts))
-        for e in torch.unique(local[mine]).tolist():
-            rows, slot = torch.where(local == e)
-            y = self.experts[e](x[rows]) * weight[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+        out = run_experts(x, idx, weight, self.experts, self.first_expert)
         if self.shared is not None:
             out = out + self.shared(x)
         return out

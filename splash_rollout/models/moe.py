@@ -61,6 +61,21 @@ class Router(nn.Module):
         return idx, weight * self.routed_scaling_factor
 
 
+def run_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts: nn.ModuleList,
+                first_expert: int = 0) -> torch.Tensor:
+    """Weighted sum of the routed experts' outputs. x [N, hidden]; idx, weight [N, k] (global expert
+    ids); ``experts`` hold ids [first_expert, first_expert + len); others contribute nothing here
+    (expert parallelism sums the ranks' parts). Returns [N, hidden]."""
+    out = torch.zeros_like(x)
+    local = idx - first_expert
+    mine = (local >= 0) & (local < len(experts))
+    for e in torch.unique(local[mine]).tolist():  # one host sync, then only the experts that got tokens
+        rows, slot = torch.where(local == e)
+        y = experts[e](x[rows]) * weight[rows, slot, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
+
+
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -72,12 +87,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         idx, weight = self.gate(x)
-        out = torch.zeros_like(x)
-        used = torch.bincount(idx.flatten(), minlength=len(self.experts)).nonzero().flatten()
-        for e in used.tolist():  # one host sync, then only the experts that got tokens
-            rows, slot = torch.where(idx == e)
-            y = self.experts[e](x[rows]) * weight[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+        out = run_experts(x, idx, weight, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
