@@ -140,6 +140,11 @@ class GroupEngine:
         """Rank 0: step number -> layout to switch to at that step (tests and benchmarks)."""
         self.switch_log: list[dict] = []
         """Rank 0: one record per switch or deferral."""
+        self.policy = None
+        """Rank 0: a scheduling.LayoutPolicy when the layout is chosen automatically (layout="auto")."""
+        self.decision_log: list[dict] = []
+        """Rank 0: the policy's decisions that chose a layout (with predicted per-layout step costs)."""
+        self.steps_in_layout = 0
         self.switch_measures: list[dict] = []
         """Every rank: bytes and waits of each switch it took part in (merged into switch_log)."""
         self.step_log: list[dict] = []
@@ -222,6 +227,7 @@ class GroupEngine:
                 if not scheduled:
                     raise RuntimeError("step: nothing schedulable although requests are pending")
                 start = time.perf_counter()
+                self.steps_in_layout += 1
                 plan = self._plan(scheduled, order)
                 self.control.broadcast_object(plan)
                 logits = self.run(plan)
@@ -273,8 +279,32 @@ class GroupEngine:
         """Rank 0: switch to ``dst`` at the next step boundary."""
         self.pending_switch = (Layout.parse(dst, "dst"), blocking)
 
+    def _consult_policy(self) -> None:
+        """Rank 0, layout="auto": ask π for the next layout; a switch it chooses becomes pending."""
+        from splash_rollout.scheduling.cost_model import StepBatch
+
+        running = list(self.scheduler.running) or list(self.scheduler.waiting)[: self.scheduler.max_num_seqs]
+        if not running or self.pending_switch is not None:
+            return
+        budget = self.scheduler.max_num_batched_tokens
+        rows = [max(1, min(r.num_uncomputed_tokens, budget)) if r.in_prefill or not r.num_computed_tokens else 1
+                for r in running]
+        batch = StepBatch.make([r.num_computed_tokens + q for r, q in zip(running, rows)], rows,
+                               [r.owner if self.scheduler.running else i % self.world_size
+                                for i, r in enumerate(running)])
+        remaining = [r.spec.max_new_tokens - r.num_output_tokens for r in running]
+        first = not self.decision_log
+        decision = self.policy.decide(None if first else self.layout, batch, remaining, self.steps_in_layout,
+                                      [r.max_total_tokens for r in running])
+        if first or decision.switch:
+            self.decision_log.append(dict(decision.to_dict(), step=self.num_steps, batch_size=len(running)))
+        if decision.chosen is not self.layout and (first or decision.switch):
+            self.pending_switch = (decision.chosen, False)
+
     def _switch_at_boundary(self):
         """Rank 0: commit a requested or scheduled switch before scheduling the step (or defer it)."""
+        if self.policy is not None:
+            self._consult_policy()
         want = self.pending_switch
         if want is None and self.num_steps in self.switch_schedule:
             want = (self.switch_schedule[self.num_steps], False)
@@ -296,6 +326,7 @@ class GroupEngine:
             self.pending_switch = want  # retried at the next boundary; serving goes on in the source
             return None, None
         self.pending_switch = None
+        self.steps_in_layout = 0
         record["moves"] = [(m.num_tokens, m.owner) for m in result.moves]
         self.switch_log.append(record)
         pool_pages = self.pages_by_layout[dst] if self.pages_by_layout else None

@@ -32,7 +32,11 @@ class EngineConfig:
     max_model_len: int | None = None
     """Context limit (prompt + response); None: the model's max_position_embeddings."""
     layout: str = "tp"
-    """Attention layout over the T ranks: tp, dp (DP-attention), dop or cp; meaningless at world_size 1."""
+    """Attention layout over the T ranks: tp, dp (DP-attention), dop, cp, or auto (the scheduler's
+    policy picks and switches, starting in DP-attention); meaningless at world_size 1."""
+    profile: str = "cpu"
+    """Hardware profile the auto policy prices layouts with: a preset (cpu, h100, h200, b200) or a
+    YAML file (scheduling/profile.py); its rates are used, the engine's own pools replace its memory."""
     attention_backend: str = "torch_ref"
     device: str = "cpu"
     tokenizer: str | None = None
@@ -65,7 +69,8 @@ class EngineConfig:
             raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
-        Layout.parse(self.layout, "layout")
+        if str(self.layout).lower() != "auto":
+            Layout.parse(self.layout, "layout")
         for step, name in (self.switch_schedule or {}).items():
             if not isinstance(step, int) or step < 0:
                 raise ValueError(f"switch_schedule: steps must be non-negative integers, got {step!r}")

@@ -165,12 +165,12 @@ class RolloutEngine:
             return self.engine.num_steps - steps0, max_batch
         records = [RequestRecord.of(r) for r in requests]
         if self.group is not None:
-            results, steps, switches = self.group.run(worker_serve, records)[0]
+            results, steps, switches, decisions = self.group.run(worker_serve, records)[0]
         else:
             mine = serve_records(self.group_engine, records)
             mine = take_logs(self.group_engine, mine) if self.rank == 0 else None
-            results, steps, switches = self.group_engine.control.broadcast_object(mine)
-        self._last_logs = (steps, switches)
+            results, steps, switches, decisions = self.group_engine.control.broadcast_object(mine)
+        self._last_logs = (steps, switches, decisions)
         by_id = {r.request_id: r for r in results}
         for req in requests:
             res = by_id[req.request_id]

@@ -64,7 +64,8 @@ def build_group_engine(config, groups: ProcessGroups) -> GroupEngine:
         torch.set_flush_denormal(True)
     model_config = resolve_model(config.model)
     dtype = TORCH_DTYPES[config.dtype]
-    layout = Layout.parse(config.layout)
+    auto = str(config.layout).lower() == "auto"
+    layout = Layout.DP if auto else Layout.parse(config.layout)  # auto starts where wide batches run well
     budget = int(config.memory_budget_gib * 2**30)
     pages_by_layout = None if config.num_pages else {
         l: pages_per_rank(model_config, l, groups.world_size, budget, config.page_size, dtype) for l in Layout}
@@ -78,7 +79,27 @@ def build_group_engine(config, groups: ProcessGroups) -> GroupEngine:
                          pages_by_layout=pages_by_layout)
     engine.switch_schedule = {int(step): Layout.parse(l, "switch_schedule") for step, l in
                               (config.switch_schedule or {}).items()}
+    if auto and groups.rank == 0:
+        engine.policy = make_policy(config, model_config, groups.world_size, budget, dtype)
     return engine
+
+
+def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes: int, dtype: torch.dtype):
+    """π over this engine's real pools (the ownership model at this budget) and the profile's rates."""
+    import dataclasses
+
+    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.layout.footprint import RankBudget, footprints
+    from splash_rollout.scheduling.deployment import Deployment
+    from splash_rollout.scheduling.policy import LayoutPolicy
+    from splash_rollout.scheduling.profile import load_profile
+
+    profile = dataclasses.replace(load_profile(config.profile), world_size=world_size, memory_bytes=budget_bytes,
+                                  mem_fraction=1.0)
+    sizes = sizes_for(model_config, dtype)
+    fps = footprints(sizes, world_size, RankBudget(budget_bytes), config.page_size)
+    return LayoutPolicy(Deployment(model_config, profile, sizes, fps, config.page_size, sizes.weight_dtype,
+                                   sizes.kv_format))
 
 
 def serve_records(engine: GroupEngine, records: list[RequestRecord] | None) -> list[RequestResult] | None:
@@ -105,9 +126,9 @@ def worker_serve(ctx, records: list[RequestRecord]):
 
 
 def take_logs(engine: GroupEngine, results):
-    steps, switches = engine.step_log, engine.switch_log
-    engine.step_log, engine.switch_log = [], []
-    return results, steps, switches
+    steps, switches, decisions = engine.step_log, engine.switch_log, engine.decision_log
+    engine.step_log, engine.switch_log, engine.decision_log = [], [], []
+    return results, steps, switches, decisions
 
 
 def worker_request_switch(ctx, dst: str, blocking: bool) -> None:

@@ -31,14 +31,15 @@ def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return phases
 
 
-def build_timeline(steps: list[dict[str, Any]], switches: list[dict[str, Any]]) -> Timeline:
+def build_timeline(steps: list[dict[str, Any]], switches: list[dict[str, Any]],
+                   decisions: list[dict[str, Any]] = ()) -> Timeline:
     records = []
     for r in switches:
         rec = {k: r.get(k) for k in SWITCH_KEYS}
         if rec["deferred_reason"] is not None:
             rec.update(bytes_sent=None, bytes_received=None, overhead_ms=None, blocking_estimate_ms=None)
         records.append(rec)
-    return Timeline(phases=phases_from_steps(steps), switches=records)
+    return Timeline(phases=phases_from_steps(steps), switches=records, decisions=list(decisions))
 
 
 def layout_metrics(timeline: Timeline) -> dict[str, float]:

@@ -73,6 +73,8 @@ class Timeline:
     switches: list[dict[str, Any]] = field(default_factory=list)
     """Each: src, dst, step, bytes_sent [T], bytes_received [T], overhead_ms, blocking_estimate_ms,
     deferred_reason (None when the switch happened)."""
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    """layout="auto": the policy's choices (step, chosen, reason, predicted per-layout step costs)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

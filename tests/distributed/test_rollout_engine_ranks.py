@@ -90,3 +90,22 @@ def test_update_weights_slices_into_every_layout_and_rejects_bad_pushes():
         batch = engine.generate(PROMPTS, PARAMS)  # switches into DP-attention (all heads) at step 2
         assert _responses(batch) == want
         assert batch.groups[0].samples[0].weight_version == 3
+
+
+def test_auto_layout_follows_a_draining_batch_and_records_why():
+    prompts = [[5 + i] * (8 + 3 * i) for i in range(16)] + [[9] * 200, [11] * 150]
+    params = ([SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)] * 16
+              + [SamplingParams(temperature=0, max_new_tokens=120, ignore_eos=True)] * 2)
+    with RolloutEngine(EngineConfig(model="glm5-nano", page_size=8, max_num_batched_tokens=256)) as one:
+        want = [s.response_ids for s in one.generate(prompts, params).samples]
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", page_size=8, max_num_batched_tokens=256,
+                       memory_budget_gib=0.01)
+    with RolloutEngine(cfg) as engine:
+        batch = engine.generate(prompts, params)
+    assert [s.response_ids for s in batch.samples] == want
+    t = batch.timeline.to_dict()
+    first, *later = t["decisions"]
+    assert first["step"] == 0 and set(first["step_costs"]) == {"tp", "cp", "dp", "dop"}
+    assert later and all(d["switch"] for d in later)  # the policy moved as the batch drained
+    assert t["phases"][0]["layout"] == first["chosen"] and len(t["phases"]) >= 2
+    assert all(s["deferred_reason"] is None for s in t["switches"])
