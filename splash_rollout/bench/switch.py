@@ -15,7 +15,7 @@ import torch
 
 from splash_rollout.engine.group_engine import GroupEngine
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.layout.layouts import ALL_LAYOUTS, Layout
+from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM
 

@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from splash_rollout.engine.parallel_mlp import DenseShard, ExpertShard, ParallelFeedForward
+from splash_rollout.engine.parallel_mlp import DenseShard, ParallelFeedForward
 
 _ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj)\.weight$")
 _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)$")

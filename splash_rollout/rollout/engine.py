@@ -16,7 +16,7 @@ import torch
 from splash_rollout.engine.engine import Engine
 from splash_rollout.engine.kv_pool import KVPoolSpec
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.models.config import ModelConfig, PRESETS, resolve_model
+from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, load_model, serve_records, take_logs,
                                           worker_build, worker_can_ever_admit, worker_request_switch, worker_serve,

@@ -1,10 +1,9 @@
 """SwitchPlan: the 12-way manifest, its primitives and its byte counts (paper §2, Figure 3)."""
-from itertools import permutations
 
 import numpy as np
 import pytest
 
-from splash_rollout.layout import (ALL_LAYOUTS, AttentionBytes, BatchKV, Layout, Primitive, SwitchPlan,
+from splash_rollout.layout import (AttentionBytes, BatchKV, Layout, Primitive, SwitchPlan,
                                    all_switches)
 from splash_rollout.layout.switch_plan import cp_tokens_on_rank
 from splash_rollout.models.config import PRESETS
