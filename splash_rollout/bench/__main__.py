@@ -1,7 +1,8 @@
 """``python -m splash_rollout.bench layouts``: measured CPU benchmarks, JSON + PNG.
 
 Verbs: ``layouts`` — per-layout step latency over batch x context, prefill and decode;
-``switch`` — blocking, overlapped and target-ready step times of the 12 directed switches.
+``switch`` — blocking, overlapped and target-ready step times of the 12 directed switches;
+``costmodel`` — the ``layouts`` grid measured and priced by the cost model with a profile.
 """
 from __future__ import annotations
 
@@ -105,7 +106,26 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--context", type=int, default=512)
     sw.add_argument("--runs", type=int, default=20)
     sw.add_argument("--json", default="bench_switch.json", help="output JSON path")
+    cm = verbs.add_parser("costmodel", help="measured vs predicted per-layout step latency")
+    cm.add_argument("--profile", default="cpu", help="preset name or YAML from python -m splash_rollout.calibrate")
+    cm.add_argument("--model", default="glm5-nano")
+    cm.add_argument("--world-size", type=int, default=2)
+    cm.add_argument("--batches", type=_ints, default=[1, 4, 16])
+    cm.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
+    cm.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
+    cm.add_argument("--measured", help="reuse a bench layouts JSON instead of measuring again")
+    cm.add_argument("--json", default="bench_costmodel.json", help="output JSON path")
     args = parser.parse_args(argv)
+    if args.verb == "costmodel":
+        from splash_rollout.bench.costmodel import predict, summarize
+
+        measured = json.load(open(args.measured)) if args.measured else cmd_layouts(args)
+        points = predict(measured["points"], args.model, args.profile, args.world_size)
+        out = {"profile": args.profile, **summarize(points), "points": points}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(json.dumps({k: out[k] for k in ("profile", "median_abs_error", "best_layout_agreement")}))
+        return 0
     if args.verb == "switch":
         out = cmd_switch(args)
         with open(args.json, "w") as f:
