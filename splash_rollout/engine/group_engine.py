@@ -348,7 +348,5 @@ class GroupEngine:
         for layer in self.model.model.layers:
             for p in layer.self_attn.parameters():
                 replicated += p.numel() * p.element_size()
-        pool = sum(t.numel() * t.element_size() for t in self.state.pool.kv)
-        pool += sum(t.numel() * t.element_size() for t in self.state.pool.index_k if t is not None)
         return {"switchable": sum(s.nbytes for s in self.state.shards), "replicated_attention": replicated,
-                "kv_pool": pool}
+                "kv_pool": self.state.pool.nbytes}

@@ -18,20 +18,13 @@ from splash_rollout.engine.kv_pool import KVPoolSpec
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.rollout.config import EngineConfig
-from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, load_model, serve_records, take_logs,
+from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, can_ever_admit, load_model, serve_records, take_logs,
                                           worker_build, worker_can_ever_admit, worker_request_switch, worker_serve,
                                           worker_update_weights)
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams, Timeline
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class _Ctx:
-    """The slice of a WorkerContext that the worker functions read, for in-process ranks."""
-
-    def __init__(self, engine) -> None:
-        self.rank, self.state = engine.rank, {"engine": engine}
 
 
 def derive_seed(*keys: int) -> int:
@@ -196,7 +189,7 @@ class RolloutEngine:
         records = [RequestRecord.of(r) for r in requests]
         if self.group is not None:
             return self.group.run(worker_can_ever_admit, records)[0]
-        mine = worker_can_ever_admit(_Ctx(self.group_engine), records)
+        mine = can_ever_admit(self.group_engine, records)
         return self.group_engine.control.broadcast_object(mine)
 
     def _make_requests(self, prompts, sampling) -> tuple[list[Request], list[list[Request]]]:

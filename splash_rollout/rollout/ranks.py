@@ -136,11 +136,16 @@ def worker_request_switch(ctx, dst: str, blocking: bool) -> None:
         ctx.state["engine"].request_switch(dst, blocking)
 
 
-def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | None:
-    if ctx.rank != 0:
+def can_ever_admit(engine: GroupEngine, records: list[RequestRecord]) -> list[bool] | None:
+    """Rank 0: whether each request fits this layout's empty pools; None elsewhere."""
+    if engine.rank != 0:
         return None
-    placement = ctx.state["engine"].scheduler.placement
+    placement = engine.scheduler.placement
     return [placement.can_ever_admit(r.request()) for r in records]
+
+
+def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | None:
+    return can_ever_admit(ctx.state["engine"], records)
 
 
 def worker_update_weights(ctx, named) -> None:
