@@ -24,17 +24,54 @@ def absorbed_attention(
 
     out_latent = softmax(scale * (q_nope_abs . c_kv + q_pe . k_pe)) @ c_kv over the allowed keys.
     A row with no allowed key gives zeros and lse = -inf, so partial results merge exactly.
+
+    When every row allows at most a quarter of the keys (a DSA top-k selection over a long history)
+    the allowed keys are gathered per row and only those are scored: O(N·H·k) instead of O(N·H·S).
+    The gathered keys keep their position order, so the result does not depend on S (padding).
     """
-    dtype = q_nope_abs.dtype
-    c = c_kv.float()
-    logits = torch.einsum("nhr,sr->nhs", q_nope_abs.float(), c)
-    logits = logits + torch.einsum("nhp,sp->nhs", q_pe.float(), k_pe.float())
-    logits = (logits * scale).masked_fill(~allowed[:, None, :], float("-inf"))
+    keys = allowed.sum(dim=1)
+    widest = int(keys.max()) if keys.numel() else 0
+    if allowed.shape[1] >= SPARSE_MIN_KEYS and 4 * widest <= allowed.shape[1]:
+        index, valid = allowed_index(allowed, keys, widest)
+        return _attend(q_nope_abs, q_pe, c_kv.float()[index], k_pe.float()[index], valid, scale, True)
+    return _attend(q_nope_abs, q_pe, c_kv.float(), k_pe.float(), allowed[:, None, :], scale, False)
+
+
+SPARSE_MIN_KEYS = 64
+"""Histories shorter than this are always attended densely (gathering does not pay)."""
+
+
+def allowed_index(allowed: torch.Tensor, keys: torch.Tensor | None = None, widest: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of each row's allowed keys, in increasing order, padded:
+    (index [N, K] int64 (padding points at key 0), valid [N, 1, K] bool) with K = the widest row."""
+    n = allowed.shape[0]
+    keys = allowed.sum(dim=1) if keys is None else keys
+    widest = int(keys.max()) if widest is None else widest
+    row, col = allowed.nonzero(as_tuple=True)  # row-major: each row's keys in position order
+    first = torch.cumsum(keys, 0) - keys  # [N] offset of each row's first key in ``col``
+    slot = torch.arange(row.numel(), device=allowed.device) - first[row]
+    index = torch.zeros(n, widest, dtype=torch.long, device=allowed.device)
+    valid = torch.zeros(n, widest, dtype=torch.bool, device=allowed.device)
+    index[row, slot] = col
+    valid[row, slot] = True
+    return index, valid[:, None, :]
+
+
+def _attend(q_nope_abs, q_pe, c, k_pe, visible, scale: float, gathered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of absorbed queries over float32 keys: ``c`` [S, r] and ``k_pe`` [S, rope]
+    shared by every row, or (``gathered``) [N, K, r] / [N, K, rope] per row; ``visible`` broadcasts
+    to the [N, H, S|K] logits."""
+    keys = "nk" if gathered else "s"
+    scores = "nh" + keys[-1]
+    logits = torch.einsum(f"nhr,{keys}r->{scores}", q_nope_abs.float(), c)
+    logits = logits + torch.einsum(f"nhp,{keys}p->{scores}", q_pe.float(), k_pe)
+    logits = (logits * scale).masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [N, H]
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 for masked keys and empty rows
-    out = torch.einsum("nhs,sr->nhr", probs, c)
-    return out.to(dtype), lse
+    out = torch.einsum(f"{scores},{keys}r->nhr", probs, c)
+    return out.to(q_nope_abs.dtype), lse
 
 
 def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
@@ -78,8 +115,17 @@ def indexer_select(scores: torch.Tensor, allowed: torch.Tensor, topk: int, tie_b
     n, s = scores.shape
     k = min(topk, s)
     if tie_break == "position":
+        if k == s:
+            return allowed.clone()
         masked = scores.float().masked_fill(~allowed, float("-inf"))
-        idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+        # the k-th largest score is the threshold: every key above it is chosen, and of the keys
+        # equal to it the earliest positions fill the remaining places (a stable descending sort,
+        # in O(N·S) instead of O(N·S·log S))
+        threshold = masked.topk(k, dim=-1, sorted=False).values.min(dim=-1, keepdim=True).values  # [N, 1]
+        above = masked > threshold
+        at = masked == threshold
+        places = k - above.sum(dim=-1, keepdim=True)
+        return (above | (at & (torch.cumsum(at, dim=-1) <= places))) & allowed
     elif tie_break == "torch":
         idx = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min).topk(k, dim=-1).indices
     else:

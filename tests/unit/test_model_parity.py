@@ -180,6 +180,42 @@ def test_indexer_select_takes_all_when_fewer_allowed():
     assert sel[3, top].all()
 
 
+def test_indexer_select_equals_a_stable_descending_sort_under_ties():
+    """The O(N·S) threshold selection is the position tie-break rule exactly: scores drawn from four
+    values (ties everywhere), random allowed sets, k from 1 to past S."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        n, s = (int(x) for x in torch.randint(1, 24, (2,), generator=gen))
+        k = int(torch.randint(1, s + 3, (1,), generator=gen))
+        scores = torch.randint(0, 4, (n, s), generator=gen).float()
+        allowed = torch.rand(n, s, generator=gen) < 0.7
+        order = scores.masked_fill(~allowed, -math.inf).sort(dim=-1, descending=True, stable=True).indices
+        ref = torch.zeros(n, s, dtype=torch.bool).scatter_(1, order[:, :min(k, s)], True) & allowed
+        assert torch.equal(indexer_select(scores, allowed, k), ref)
+
+
+def test_sparse_attention_over_a_top_k_selection_equals_dense():
+    """A top-k selection over a long history takes the gathered path; it equals the dense masked
+    form and does not change with padding keys appended after the history."""
+    gen = torch.Generator().manual_seed(4)
+    n, h, r, p, s, k = 40, 4, 16, 8, 300, 32
+    q, qp = torch.randn(n, h, r, generator=gen), torch.randn(n, h, p, generator=gen)
+    c, kp = torch.randn(s, r, generator=gen), torch.randn(s, p, generator=gen)
+    causal = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]
+    sel = indexer_select(torch.randn(n, s, generator=gen), causal, k)
+    sel[0] = False  # an empty row
+    out, lse = absorbed_attention(q, qp, c, kp, sel, 0.2)
+    logits = 0.2 * (torch.einsum("nhr,sr->nhs", q, c) + torch.einsum("nhp,sp->nhs", qp, kp))
+    logits = logits.masked_fill(~sel[:, None], -math.inf)
+    assert torch.allclose(out[1:], torch.softmax(logits[1:], -1) @ c, atol=1e-5)
+    assert torch.allclose(lse[1:], torch.logsumexp(logits[1:], -1), atol=1e-5)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    pad = torch.cat([sel, torch.zeros(n, 50, dtype=torch.bool)], 1)
+    out_pad, lse_pad = absorbed_attention(q, qp, torch.cat([c, torch.randn(50, r)]), torch.cat([kp, torch.randn(50, p)]),
+                                          pad, 0.2)
+    assert torch.equal(out_pad, out) and torch.equal(lse_pad, lse)
+
+
 def test_random_init_is_seeded():
     cfg = CONFIGS["glm_moe_dsa_shared"]
     a = MLAForCausalLM.from_config(cfg, seed=7).state_dict()
