@@ -18,6 +18,7 @@ from splash_rollout.engine.projections import slice_projections
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.sampler import sample
 from splash_rollout.engine.scheduler import Scheduler, ScheduledSeq
+from splash_rollout.engine.sleep import TensorOffload, process_rss_bytes, storage_bytes, weight_tensors
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import ModelConfig
 
@@ -36,9 +37,12 @@ class Engine:
         self.pages = self.placement.managers[0]
         self.pool = KVPool(pool_spec or KVPoolSpec.from_model(config), num_pages, page_size, dtype, device)
         self.scheduler = Scheduler(self.placement, max_num_batched_tokens, max_num_seqs)
-        shards = [slice_projections(layer.self_attn, slice(0, config.num_heads)) for layer in model.model.layers]
-        self.runner = ModelRunner(model, SingleRankExecutor(self.pool, get_backend(attention_backend), shards))
+        self.shards = [slice_projections(layer.self_attn, slice(0, config.num_heads)) for layer in model.model.layers]
+        """All heads: views of the modules' own weights."""
+        self.model = model
+        self.runner = ModelRunner(model, SingleRankExecutor(self.pool, get_backend(attention_backend), self.shards))
         self.num_steps = 0
+        self._offload: TensorOffload | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -49,6 +53,8 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
+        if self.asleep:
+            raise RuntimeError("step: the engine is asleep; call wake_up() first")
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise RuntimeError("step: nothing schedulable although requests are pending")
@@ -72,3 +78,34 @@ class Engine:
 
     def abort_all(self) -> list[Request]:
         return self.scheduler.abort_all()
+
+    # ---- sleep / wake (engine/sleep.py) ---------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self._offload is not None
+
+    def sleep(self) -> None:
+        """Free the KV pool and move the weights out of tensor memory; refused while requests are
+        queued or running (abort or finish them first)."""
+        if self.asleep:
+            raise RuntimeError("sleep: the engine is already asleep")
+        if self.scheduler.has_unfinished:
+            raise RuntimeError("sleep: requests are still queued or running; abort them or let them finish first")
+        self.pool.release()
+        offload = TensorOffload(weight_tensors(self.model, self.shards))
+        offload.release()
+        self._offload = offload
+
+    def wake_up(self) -> None:
+        if not self.asleep:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        self._offload.restore()
+        self._offload = None
+        self.pool.restore()
+
+    def memory_stats(self) -> dict[str, int | None]:
+        """Measured bytes: ``tracked_bytes`` (= the KV pool plus the projection weights),
+        ``kv_pool``, ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
+        shards = 0 if self.asleep else sum(x.nbytes for x in self.shards)
+        return {"tracked_bytes": shards + self.pool.nbytes, "kv_pool": self.pool.nbytes,
+                "weights": storage_bytes(weight_tensors(self.model, self.shards)), "rss": process_rss_bytes()}

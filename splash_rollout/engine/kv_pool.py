@@ -62,6 +62,8 @@ class KVPool:
             torch.zeros(num_pages, page_size, d, dtype=dtype, device=device) if d else None
             for d in spec.index_head_dims]
         """Per layer ``(num_pages, page_size, index_head_dim)`` or None (no indexer cache)."""
+        self._released_shapes: tuple[list, list] | None = None
+        """While released (asleep): the shapes ``restore`` gives back."""
 
     @property
     def num_slots(self) -> int:
@@ -88,6 +90,30 @@ class KVPool:
             self.index_k[layer] = resized(self.index_k[layer])
         if all(t.shape[0] == num_pages for t in self.kv):
             self.num_pages = num_pages
+
+    # ---- sleep ---------------------------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        return self._released_shapes is not None
+
+    def release(self) -> None:
+        """Free every tensor of the pool (its contents are dropped: only do this with no request
+        holding pages). ``nbytes`` reads 0 until ``restore``."""
+        if self.released:
+            raise RuntimeError("KVPool.release: already released")
+        self._released_shapes = ([tuple(t.shape) for t in self.kv],
+                                 [None if t is None else tuple(t.shape) for t in self.index_k])
+        self.kv = [t.new_empty((0,) + tuple(t.shape[1:])) for t in self.kv]
+        self.index_k = [None if t is None else t.new_empty((0,) + tuple(t.shape[1:])) for t in self.index_k]
+
+    def restore(self) -> None:
+        """Allocate the released tensors again (zeroed, the shapes they had)."""
+        if not self.released:
+            raise RuntimeError("KVPool.restore: nothing released")
+        kv_shapes, index_shapes = self._released_shapes
+        self.kv = [t.new_zeros(shape) for t, shape in zip(self.kv, kv_shapes)]
+        self.index_k = [None if shape is None else t.new_zeros(shape) for t, shape in zip(self.index_k, index_shapes)]
+        self._released_shapes = None
 
     def fill_(self, value: float) -> None:
         """Overwrite every slot (tests fill with NaN so any read of an unwritten slot shows)."""
