@@ -28,12 +28,11 @@ def cmd_layouts(args) -> dict:
     from splash_rollout.bench.layouts import bench_on_rank
     from splash_rollout.distributed.launch import WorkerGroup
 
-    points = []
+    start = time.perf_counter()
     with WorkerGroup(args.world_size, timeout_s=600) as group:
-        for layout in args.layouts:
-            start = time.perf_counter()
-            points += group.run(bench_on_rank, args.model, layout, args.batches, args.contexts, timeout_s=3600)[0]
-            print(f"  {layout}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        points = group.run(bench_on_rank, args.model, list(args.layouts), args.batches, args.contexts, 16,
+                           args.repeats, timeout_s=7200)[0]
+    print(f"  {len(points)} points in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     best = {}
     for kind in ("prefill_ms", "decode_ms"):
         for p in points:
@@ -97,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     lay.add_argument("--batches", type=_ints, default=[1, 4, 16])
     lay.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
     lay.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
+    lay.add_argument("--repeats", type=int, default=3, help="rounds per grid point (median)")
     lay.add_argument("--json", default="bench_layouts.json", help="output JSON path")
     lay.add_argument("--png", default="bench_layouts.png", help="output plot path")
     sw = verbs.add_parser("switch", help="blocking / overlapped / target-ready times of the 12 switches")
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     cm.add_argument("--batches", type=_ints, default=[1, 4, 16])
     cm.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
     cm.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
+    cm.add_argument("--repeats", type=int, default=3, help="rounds per grid point (median)")
     cm.add_argument("--measured", help="reuse a bench layouts JSON instead of measuring again")
     cm.add_argument("--json", default="bench_costmodel.json", help="output JSON path")
     args = parser.parse_args(argv)

@@ -1,22 +1,36 @@
 """``python -m splash_rollout.calibrate --world-size T --out profile.yaml``: measure θ on this machine.
 
-Spawns T ranks (gloo on CPU), runs the probes of ``probes.py`` on each, takes the slowest rank's
-numbers, and writes a YAML profile that ``EngineConfig(profile=...)`` and the scheduler read.
+Two passes over T spawned ranks (gloo on CPU):
+
+1. microbenchmarks (``probes.py``): GEMM and attention rates, memory read bandwidth, latency and
+   bandwidth of each collective -- the slowest rank's numbers;
+2. the engine itself (``bench.layouts``): prefill and decode steps of every layout over a grid of
+   batch sizes and contexts, to which ``scheduling.fit`` fits the cost model's constants (rates as
+   the engine's kernels reach them, per-request, per-expert and elementwise costs, collective
+   latency and bandwidth as the engine's collectives pay them). ``--no-engine-fit`` skips it.
+
+Writes a YAML profile that ``EngineConfig(profile=...)``, the scheduler and ``bench costmodel`` read,
+and (``--points-json``) the measured grid with the fit's report. Use a grid other than the one you
+check the model on: ``bench costmodel`` defaults to B in {1, 4, 16} x context in {64, 256, 1024}.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
+from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.scheduling.profile import CollectiveCost, HardwareProfile, save_profile
 
+CAL_BATCHES = (1, 3, 8, 24)
+CAL_CONTEXTS = (32, 128, 512, 768)
 
-def calibrate(world_size: int, memory_gib: float) -> HardwareProfile:
+
+def _microbenchmarks(group, world_size: int, memory_gib: float) -> HardwareProfile:
     from splash_rollout.calibrate.probes import probe_rank
-    from splash_rollout.distributed.launch import WorkerGroup
 
-    with WorkerGroup(world_size, timeout_s=120) as group:
-        ranks = group.run(probe_rank, timeout_s=600)
+    ranks = group.run(probe_rank, timeout_s=600)
     slowest = {k: min(r[k] for r in ranks) for k in ("matmul_flops", "attention_flops", "read_Bps")}
     coll = {name: CollectiveCost(max(r["collectives"][name][0] for r in ranks),
                                  min(r["collectives"][name][1] for r in ranks))
@@ -29,18 +43,84 @@ def calibrate(world_size: int, memory_gib: float) -> HardwareProfile:
         step_overhead_s=max(r["step_overhead_s"] for r in ranks), layer_overhead_s=20e-6)
 
 
+def measure_engine_grid(group, model: str, batches, contexts, repeats: int, log=sys.stderr) -> list[dict]:
+    """Every layout's prefill / decode step times over batches x contexts on ``group``."""
+    from splash_rollout.bench.layouts import bench_on_rank
+
+    start = time.perf_counter()
+    points = group.run(bench_on_rank, model, [l.value for l in ALL_LAYOUTS], list(batches), list(contexts), 16,
+                       repeats, timeout_s=7200)[0]
+    print(f"  engine grid: {len(points)} points in {time.perf_counter() - start:.1f} s", file=log, flush=True)
+    return points
+
+
+def calibrate(world_size: int, memory_gib: float, fit_engine: bool = True, model: str = "glm5-nano",
+              batches=CAL_BATCHES, contexts=CAL_CONTEXTS, repeats: int = 3) -> tuple[HardwareProfile, dict]:
+    """(θ, report): microbenchmarks, then (``fit_engine``) the engine-grid fit on top of them."""
+    from splash_rollout.distributed.launch import WorkerGroup
+
+    with WorkerGroup(world_size, timeout_s=120) as group:
+        print("microbenchmarks ...", file=sys.stderr, flush=True)
+        profile = _microbenchmarks(group, world_size, memory_gib)
+        if not fit_engine:
+            return profile, {}
+        print(f"engine grid: {model}, B {list(batches)} x context {list(contexts)}, {repeats} repeats ...",
+              file=sys.stderr, flush=True)
+        points = measure_engine_grid(group, model, batches, contexts, repeats)
+    return fit_measured(profile, points, model)
+
+
+def fit_measured(profile: HardwareProfile, points: list[dict], model: str) -> tuple[HardwareProfile, dict]:
+    import torch
+
+    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.scheduling.fit import fit_profile
+
+    print(f"fitting {len(points)} grid points ...", file=sys.stderr, flush=True)
+    cfg = resolve_model(model)
+    fitted, report = fit_profile(points, cfg, sizes_for(cfg, torch.float32), profile)
+    print(f"fit: median |error| {report['median_abs_error']:.1%}, max {report['max_abs_error']:.1%} "
+          f"over {2 * len(points)} steps", file=sys.stderr)
+    return fitted, {"model": model, "fit": report, "points": points, "microbenchmarks": profile.to_dict()}
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m splash_rollout.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks T to measure")
     parser.add_argument("--memory-gib", type=float, default=1.0, help="per-rank memory recorded in the profile")
     parser.add_argument("--out", default="profile.yaml", help="YAML profile path")
+    parser.add_argument("--no-engine-fit", action="store_true", help="microbenchmarks only (seconds, not minutes)")
+    parser.add_argument("--model", default="glm5-nano", help="model the engine grid runs")
+    parser.add_argument("--batches", type=_ints, default=list(CAL_BATCHES), help="engine grid batch sizes")
+    parser.add_argument("--contexts", type=_ints, default=list(CAL_CONTEXTS), help="engine grid prompt lengths")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh batches per grid point (median)")
+    parser.add_argument("--measured", help="fit a grid measured before (its --points-json) instead of measuring")
+    parser.add_argument("--points-json", help="write the measured grid and the fit report here")
     args = parser.parse_args(argv)
     if args.world_size < 1:
         print(f"{parser.prog}: error: --world-size: expected a positive integer, got {args.world_size}",
               file=sys.stderr)
         return 2
-    profile = calibrate(args.world_size, args.memory_gib)
+    if args.measured:
+        with open(args.measured) as f:
+            saved = json.load(f)
+        base = HardwareProfile.from_dict(saved["microbenchmarks"], source=args.measured)
+        profile, report = fit_measured(base, saved["points"], saved.get("model", args.model))
+    else:
+        profile, report = calibrate(args.world_size, args.memory_gib, not args.no_engine_fit, args.model,
+                                    args.batches, args.contexts, args.repeats)
     save_profile(profile, args.out)
+    if args.points_json and report:
+        with open(args.points_json, "w") as f:
+            json.dump(report, f, indent=2)
     for k, v in profile.to_dict().items():
         print(f"{k:>18}: {v}")
     return 0

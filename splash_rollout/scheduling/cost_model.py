@@ -33,6 +33,15 @@ indexer keys, per request the cheaper) suits decode; pass-KV (rows split over ra
 rank gathers the stored latent and indexer keys of the requests in the step) suits long prefill
 chunks of few requests.
 
+Which algorithms are priced follows ``profile.engine``. ``ideal`` (the GPU presets) is the table
+above with paged kernels that touch only causal or selected keys. ``torch_ref`` is this package's
+reference backend, which a calibrated profile describes: attention scores the whole history as a
+masked rectangle unless a DSA selection is sparse enough to gather (``REF_SPARSE_MIN_KEYS``); the
+indexer scores the rectangle and every rank selects top-k from it; CP replicates the projections
+of every row, all-gathers partial outputs + LSE and, on DSA layers, the local indexer scores
+(variant ``replicated``). Calibrated profiles also carry the costs no roofline sees: per request per
+layer, per request per step, per score element, per expert call (``scheduling/fit.py`` fits them).
+
 Units: seconds, bytes, FLOP. Activations are bf16 (2 bytes).
 """
 from __future__ import annotations
@@ -49,6 +58,9 @@ from splash_rollout.models.config import ModelConfig
 from splash_rollout.scheduling.profile import HardwareProfile
 
 ACT = 2  # bytes per bf16 activation element
+REF_SPARSE_MIN_KEYS = 64
+"""``models.attention_math.SPARSE_MIN_KEYS``: the reference backend attends histories shorter than
+this densely (a test keeps the two equal; this layer may not import the models)."""
 
 
 @dataclass(frozen=True)
@@ -209,28 +221,51 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                             f"{layout.value}: KV of {int(batch.context.sum())} tokens does not fit a {pool}-token pool per rank")
     k = _consts(model, sizes)
     p = profile
+    ref = p.engine == "torch_ref"
     s, q, own = batch.context, batch.query_rows, batch.owners
     n = float(q.sum())
     start = s - q
-    att_pairs = _pairs(start, q, k.topk)  # [B] (row, token) pairs attended, per head
-    idx_pairs = _pairs(start, q, 0) if k.topk else np.zeros_like(att_pairs)
-    kv_read = np.minimum(s, q * k.topk) if k.topk else s.astype(np.float64)  # latent tokens read
-    kv_read = np.where(q > 0, kv_read, 0).astype(np.float64)
-    idx_read = np.where(q > 0, s, 0).astype(np.float64)
+    active = q > 0
     h, hd = k.heads, k.hidden
+    cp = layout is Layout.CP
     owner_layout = layout in (Layout.DP, Layout.DOP)
+    if ref:
+        # the reference backend scores every key of the history it holds (a dense masked rectangle)
+        # unless the rows' selection is sparse enough to gather (models/attention_math.py)
+        s_here = np.ceil(s / t) if cp else s.astype(np.float64)
+        widest = np.minimum(s_here, np.ceil(np.minimum(s, k.topk) / t) if cp else np.minimum(s, k.topk)) \
+            if k.topk else s_here
+        gathered = (s_here >= REF_SPARSE_MIN_KEYS) & (4 * widest <= s_here)
+        att_pairs = q * np.where(gathered, widest, s_here)  # [B] keys scored per head, on one rank
+        idx_pairs = (q * s_here).astype(np.float64) if k.topk else np.zeros(s.shape)
+        select = (q * s).astype(np.float64) if k.topk else np.zeros(s.shape)  # every rank selects from all
+    else:
+        att_pairs = _pairs(start, q, k.topk)  # [B] (row, token) pairs attended, per head
+        idx_pairs = _pairs(start, q, 0) if k.topk else np.zeros_like(att_pairs)
+        select = np.zeros(s.shape)
+    if ref:  # the reference backend gathers the whole history it holds, then selects
+        kv_read = np.where(active, s_here, 0).astype(np.float64)
+    else:
+        kv_read = np.minimum(s, q * k.topk) if k.topk else s.astype(np.float64)  # latent tokens read
+        kv_read = np.where(active, kv_read, 0).astype(np.float64)
+    idx_read = np.where(active, s, 0).astype(np.float64)
     if owner_layout:
         n_r = _per_rank(own, q.astype(np.float64), t)
         busy_rows = float(n_r.max())
         att_load = float(_per_rank(own, att_pairs, t).max())
         idx_load = float(_per_rank(own, idx_pairs, t).max())
+        sel_load = float(_per_rank(own, select, t).max())
         kv_load = float(_per_rank(own, kv_read, t).max())
         idxr_load = float(_per_rank(own, idx_read, t).max())
+        busy_requests = float(_per_rank(own, active.astype(np.float64), t).max())
     else:
         n_r = None
-        div = t if layout is Layout.CP else 1
+        div = t if cp and not ref else 1  # the reference attention loads are per rank already
         att_load, idx_load = att_pairs.sum() / div, idx_pairs.sum() / div
-        kv_load, idxr_load = kv_read.sum() / div, idx_read.sum() / div
+        sel_load = float(select.sum())
+        kv_load = kv_read.sum() / (t if cp and not ref else 1)
+        idxr_load = idx_read.sum() / (t if cp else 1)
+        busy_requests = float(active.sum())
     att_heads = h / t if layout is Layout.TP else h
     sharded = layout.shards_projections
     rows_sh = float(ceil_div(int(n), t))
@@ -252,8 +287,16 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         in_rows, proj_flops = n, n * (k.f_q + k.f_o) * h / t
     elif layout is Layout.DP:
         in_rows, proj_flops = busy_rows, busy_rows * (k.f_q + k.f_o) * h
-    variants = [("", in_rows, proj_flops, comm, 0.0)] if layout is not Layout.CP else []
-    if layout is Layout.CP:
+    variants = [("", in_rows, proj_flops, comm, 0.0)] if not cp else []
+    if cp and ref:
+        # replicated: every rank projects every row and attends them over the positions it stores;
+        # the partial outputs and their LSE are all-gathered and merged on every rank; DSA scores
+        # of the local positions are all-gathered so every rank selects the global top-k itself
+        scores = p.all_gather.time(frac * float((q * s).sum()) * 4) if k.topk else 0.0
+        variants.append(("replicated", n, n * (k.f_q + k.f_o) * h,
+                         p.all_gather.time(frac * n * h * k.kv_lora * ACT) + p.all_gather.time(frac * n * h * 4),
+                         scores))
+    elif cp:
         # pass-Q: every rank attends every row over its own positions, partials+LSE merged by row
         # owner; q_b/absorption run for all rows on every rank, W_UV/o_proj on N/T rows.
         topk = 0.0
@@ -267,7 +310,6 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                          + p.all_gather.time(frac * n * hd * ACT), topk))
         # pass-KV: rows split over ranks end to end; each rank gathers the stored latent (and
         # indexer keys) of the requests it serves this step. Wins for long prefill chunks.
-        active = q > 0
         lat_gather = p.all_gather.time(frac * float(s[active].sum()) * k.lat_bytes)
         idx_gather = p.all_gather.time(frac * float(s[active].sum()) * k.idx_bytes) if k.topk else 0.0
         variants.append(("pass-kv", rows_sh, rows_sh * (k.f_q + k.f_o) * h,
@@ -278,10 +320,13 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         touched = k.n_experts * (1.0 - (1.0 - k.top_k / k.n_experts) ** n) if n else 0.0
         moe = _roof(n * k.top_k * k.f_expert / t + n * k.n_shared * k.f_expert / t + n * 2 * hd * k.n_experts, mf,
                     touched / t * k.expert_bytes + k.n_shared * k.expert_bytes / t + k.n_experts * hd * 4,
-                    p.weight_read_Bps)
+                    p.weight_read_Bps) + touched / t * p.expert_call_s
     else:
         moe = 0.0
     dense = _roof(n * k.f_dense / t, mf, k.dense_bytes / t, p.weight_read_Bps)
+    per_request = busy_requests * p.request_layer_s
+    att_elements = att_load * att_heads * p.score_element_s
+    idx_elements = (idx_load * model.index_n_heads + sel_load) * p.score_element_s
     best = None
     for variant, in_rows, proj_flops, comm, comm_idx in variants:
         stages = dict.fromkeys(STAGES, 0.0)
@@ -292,16 +337,18 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
             st = {
                 "attn_in": _roof(in_rows * (k.f_in + (k.f_in_idx if full_idx else 0.0)), mf, k.w_rep[i0], p.weight_read_Bps),
                 "attn_proj": _roof(proj_flops, mf, w_a, p.weight_read_Bps),
-                "indexer": _roof(idx_load * k.f_idx, af, 0.0, 1.0, idxr_load * k.idx_bytes, p.kv_read_Bps) if full_idx and k.topk else 0.0,
-                "attention": _roof(att_load * k.f_att * att_heads, af, 0.0, 1.0, kv_load * k.lat_bytes, p.kv_read_Bps),
+                "indexer": _roof(idx_load * k.f_idx, af, 0.0, 1.0, idxr_load * k.idx_bytes, p.kv_read_Bps) + idx_elements
+                if full_idx and k.topk else 0.0,
+                "attention": _roof(att_load * k.f_att * att_heads, af, 0.0, 1.0, kv_load * k.lat_bytes, p.kv_read_Bps)
+                + att_elements,
                 "attn_comm": comm + (comm_idx if full_idx else 0.0),
                 "mlp": moe if is_moe else dense,
                 "mlp_comm": ar_hidden,
             }
-            per_layer = float(sum(st.values())) + p.layer_overhead_s
+            per_layer = float(sum(st.values())) + p.layer_overhead_s + per_request
             for name, v in st.items():
                 stages[name] += float(v) * len(layers)
-            stages["overhead"] += p.layer_overhead_s * len(layers)
+            stages["overhead"] += (p.layer_overhead_s + per_request) * len(layers)
             for i in layers:
                 layer_seconds[i] = per_layer
         total = sum(stages.values())
@@ -310,7 +357,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     _, variant, stages, layer_seconds = best
     r = batch.size if batch.sampling_rows is None else batch.sampling_rows
     stages["lm_head"] = _roof(r * 2.0 * hd * k.vocab / t, mf, k.head_bytes / t, p.weight_read_Bps) if r else 0.0
-    stages["overhead"] += p.step_overhead_s
+    stages["overhead"] += p.step_overhead_s + batch.size * p.request_step_s
     return StepCost(layout, float(sum(stages.values())), stages, tuple(layer_seconds), variant=variant)
 
 

@@ -34,6 +34,8 @@ import yaml
 from splash_rollout.layout import GiB, MiB
 
 COLLECTIVES = ("all_gather", "all_to_all", "all_reduce")
+ENGINES = ("ideal", "torch_ref")
+OVERHEAD_FIELDS = ("request_layer_s", "request_step_s", "score_element_s", "expert_call_s")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,19 @@ class HardwareProfile:
     """Fixed cost per decoder layer per step (kernel gaps), s."""
     reserve_bytes: int = 0
     """Transient reserve kept out of the KV pool (bytes), on top of mem_fraction."""
+    engine: str = "ideal"
+    """Which attention algorithms the priced engine runs (ENGINES): ``ideal`` -- paged kernels that
+    touch only causal / selected keys, CP with pass-Q and pass-KV (the paper's engine; the GPU
+    presets); ``torch_ref`` -- this package's reference backend (what ``calibrate`` measures)."""
+    request_layer_s: float = 0.0
+    """Fixed cost per request per decoder layer on the busiest rank (per-request kernels), s."""
+    request_step_s: float = 0.0
+    """Fixed cost per request per step (scheduling, batch building, sampling), s."""
+    score_element_s: float = 0.0
+    """Cost per float32 element of the score tensors (attention logits, indexer scores, top-k
+    selection) beyond their FLOPs: the elementwise passes a reference backend makes, s."""
+    expert_call_s: float = 0.0
+    """Fixed cost per routed expert a rank runs in one MoE layer, s."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -95,7 +110,9 @@ class HardwareProfile:
             cost = getattr(self, c)
             if cost.latency_s < 0 or not cost.bandwidth_Bps > 0:
                 raise ValueError(f"{c}: expected latency_s >= 0 and bandwidth_Bps > 0, got {cost}")
-        for f in ("step_overhead_s", "layer_overhead_s", "reserve_bytes"):
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {ENGINES}, got {self.engine!r}")
+        for f in ("step_overhead_s", "layer_overhead_s", "reserve_bytes", *OVERHEAD_FIELDS):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}: expected a non-negative number, got {getattr(self, f)}")
 
@@ -126,7 +143,7 @@ class HardwareProfile:
                     if not isinstance(value, Mapping) or set(value) != {"latency_s", "bandwidth_Bps"}:
                         raise ValueError("expected {latency_s, bandwidth_Bps}")
                     value = CollectiveCost(float(value["latency_s"]), float(value["bandwidth_Bps"]))
-                elif name == "name":
+                elif name in ("name", "engine"):
                     value = str(value)
                 elif name in ("world_size", "memory_bytes", "reserve_bytes"):
                     if isinstance(value, bool) or float(value) != int(float(value)):

@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, all_switches
 from splash_rollout.scheduling import (PRESETS, Deployment, HardwareProfile, StepBatch, load_profile,
@@ -177,3 +178,55 @@ def test_profile_errors_name_the_field(tmp_path):
         load_profile("no-such-gpu")
     with pytest.raises(ValueError, match="world_size"):
         HardwareProfile.from_dict({**PRESETS["cpu"].to_dict(), "world_size": "two"})
+
+
+def test_reference_backend_gather_threshold_matches_the_model():
+    from splash_rollout.models.attention_math import SPARSE_MIN_KEYS
+    from splash_rollout.scheduling.cost_model import REF_SPARSE_MIN_KEYS
+
+    assert REF_SPARSE_MIN_KEYS == SPARSE_MIN_KEYS
+
+
+def test_torch_ref_engine_prices_the_dense_rectangle_and_the_replicated_cp():
+    """Below the gather threshold the reference backend scores every key (a rectangle), above it
+    only the selected ones; its CP runs the replicated variant."""
+    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.models.config import resolve_model
+
+    cfg = resolve_model("glm5-nano")  # index_topk 64
+    sizes = sizes_for(cfg, torch.float32)
+    prof = load_profile("cpu").replace(engine="torch_ref", score_element_s=1e-9, kv_read_Bps=1e18)
+
+    def att(s: int) -> float:  # scoring only: reads made free
+        return step_time("dp", StepBatch.make([s], [1], [0]), cfg, prof, sizes).stages["attention"]
+    assert att(200) > 3 * att(100) / 2 * 0.99  # dense: grows with the history
+    assert att(1024) == pytest.approx(att(2048))  # gathered: top-k keys whatever the history
+    cp = step_time("cp", StepBatch.make([512, 512], [512, 512], [0, 1]), cfg, prof, sizes)
+    assert cp.variant == "replicated"
+    assert step_time("cp", StepBatch.make([512, 512], [512, 512], [0, 1]), cfg, load_profile("cpu"), sizes).variant \
+        in ("pass-q", "pass-kv")
+
+
+def test_fit_recovers_the_constants_it_was_given():
+    """Points priced by a known θ (torch_ref engine, overheads set) are fitted back to within a few %."""
+    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.scheduling.fit import fit_profile, predict_point
+
+    cfg = resolve_model("glm5-nano")
+    sizes = sizes_for(cfg, torch.float32)
+    truth = load_profile("cpu").replace(engine="torch_ref", request_layer_s=2e-4, request_step_s=3e-4,
+                                        score_element_s=2e-9, expert_call_s=1e-4, step_overhead_s=5e-3)
+    points = []
+    for layout in ("tp", "cp", "dp", "dop"):
+        for b in (1, 4, 16):
+            for s in (32, 256, 1024):
+                pre, dec = predict_point({"layout": layout, "batch": b, "context": s}, cfg, truth, sizes)
+                points.append({"layout": layout, "batch": b, "context": s, "prefill_ms": pre, "decode_ms": dec})
+    start = load_profile("cpu").replace(matmul_flops=1e10, step_overhead_s=1e-4)
+    fitted, report = fit_profile(points, cfg, sizes, start)
+    assert report["median_abs_error"] < 0.02
+    assert fitted.engine == "torch_ref"
+    for p in points[::7]:
+        pre, dec = predict_point(p, cfg, fitted, sizes)
+        assert pre == pytest.approx(p["prefill_ms"], rel=0.1) and dec == pytest.approx(p["decode_ms"], rel=0.1)
