@@ -1,0 +1,238 @@
+"""Draining RL rollout on T CPU ranks: each fixed layout, ``auto``, and transformers ``generate``.
+
+One workload, every system, one invocation (so the ratios come from the same machine state):
+``num_prompts`` prompts x ``n`` samples on ``glm5-nano`` (seeded random init, float32), most
+prompts short and a few long, response lengths heavy-tailed (seeded log-normal per prompt, clipped),
+``ignore_eos`` with a per-prompt ``max_new_tokens`` so every system produces exactly the same
+number of tokens. Sampling at temperature 1 (an RL rollout), seeded.
+
+* ``tp``, ``cp``, ``dp``, ``dop``, ``auto``: ``RolloutEngine(EngineConfig(world_size=T, layout=L))``,
+  a fresh engine (spawned ranks) per layout, one tiny warm-up call, then the timed ``generate``.
+* ``transformers``: ``GlmMoeDsaForCausalLM.generate`` on the same weights (our seeded init saved as
+  a HF checkpoint), in this process with ``--threads`` torch threads, left-padded static batches of
+  ``--hf-batch`` rows in workload order; a static batch runs until its longest row, which is what
+  ``generate`` does with per-row lengths it cannot know in advance. Only requested tokens count.
+
+tokens/s = response tokens / wall time of the generate call(s). Writes ``{"tokens_per_s": {...},
+"ratio_auto_vs_best_fixed", "runs": {layout: wall_s, steps, switches, phases, ...}, "workload"}``
+and optionally a bar chart.
+
+    python benchmarks/rollout_drain.py --json docs/results/rollout_drain.json --png docs/results/rollout_drain.png
+    python benchmarks/rollout_drain.py --json /tmp/drain.json --quick   # smoke test, < 1 min
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from splash_rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from splash_rollout.models.config import resolve_model  # noqa: E402
+
+FIXED = ("tp", "cp", "dp", "dop")
+SYSTEMS = FIXED + ("auto", "transformers")
+FULL = dict(num_prompts=64, n=4, short_prompt=(16, 128), long_prompt=(384, 768), long_fraction=0.125,
+            response_mu=float(np.log(48.0)), response_sigma=1.0, min_response=8, max_response=512)
+QUICK = dict(num_prompts=6, n=2, short_prompt=(8, 32), long_prompt=(96, 160), long_fraction=0.34,
+             response_mu=float(np.log(8.0)), response_sigma=0.8, min_response=2, max_response=24)
+
+
+def make_workload(num_prompts: int, n: int, short_prompt: tuple[int, int], long_prompt: tuple[int, int],
+                  long_fraction: float, response_mu: float, response_sigma: float, min_response: int,
+                  max_response: int, vocab_size: int, seed: int) -> dict:
+    """Prompts (token ids) and one response length per prompt (all n samples share it). The longest
+    prompt draw is forced to ``max_response`` so every run has the same tail to drain."""
+    rng = np.random.default_rng(seed)
+    num_long = max(1, round(long_fraction * num_prompts))
+    is_long = np.zeros(num_prompts, bool)
+    is_long[rng.choice(num_prompts, num_long, replace=False)] = True
+    lens = np.where(is_long, rng.integers(long_prompt[0], long_prompt[1] + 1, num_prompts),
+                    rng.integers(short_prompt[0], short_prompt[1] + 1, num_prompts))
+    prompts = [rng.integers(2, vocab_size, int(k)).tolist() for k in lens]  # ids 0/1 are bos/eos
+    resp = np.clip(np.rint(rng.lognormal(response_mu, response_sigma, num_prompts)), min_response, max_response)
+    resp[int(np.argmax(resp))] = max_response
+    return {"prompts": prompts, "response_lens": [int(r) for r in resp], "n": n}
+
+
+def describe(work: dict, params: dict, seed: int) -> dict:
+    p = [len(x) for x in work["prompts"]]
+    r = work["response_lens"]
+    return {**params, "seed": seed, "num_samples": len(p) * work["n"],
+            "response_tokens": work["n"] * sum(r), "prompt_tokens": work["n"] * sum(p),
+            "prompt_len": {"min": min(p), "mean": float(np.mean(p)), "max": max(p)},
+            "response_len": {"min": min(r), "median": float(np.median(r)), "mean": float(np.mean(r)),
+                             "p90": float(np.percentile(r, 90)), "max": max(r)},
+            "prompt_lens": p, "response_lens": r}
+
+
+def run_engine(layout: str, work: dict, args) -> dict:
+    config = EngineConfig(model=args.model, world_size=args.world_size, layout=layout, seed=args.seed,
+                          memory_budget_gib=args.memory_budget_gib,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          profile=args.profile)
+    sampling = [SamplingParams(n=work["n"], temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=args.seed + i)
+                for i, m in enumerate(work["response_lens"])]
+    build0 = time.perf_counter()
+    with RolloutEngine(config) as engine:
+        build_s = time.perf_counter() - build0
+        engine.generate([work["prompts"][0][:8]], SamplingParams(temperature=1.0, max_new_tokens=2, seed=0))  # warm-up
+        start = time.perf_counter()
+        out = engine.generate(work["prompts"], sampling)
+        wall = time.perf_counter() - start
+    want = [m for m in work["response_lens"] for _ in range(work["n"])]
+    got = [len(s.response_ids) for s in out.samples]
+    if got != want:
+        raise RuntimeError(f"{layout}: response lengths differ from the requested ones")
+    tl = out.timeline
+    done = [s for s in tl.switches if s["deferred_reason"] is None]
+    return {
+        "wall_s": wall, "build_s": build_s, "tokens": sum(got), "tokens_per_s": sum(got) / wall,
+        "samples": len(got), "steps": int(out.metrics["perf/steps"]),
+        "switches": len(done), "deferred_switches": len(tl.switches) - len(done),
+        "switch_overhead_ms": float(sum(s["overhead_ms"] or 0.0 for s in done)),
+        "switch_path": [f"{s['src']}->{s['dst']}@{s['step']}" for s in done],
+        "max_running": out.metrics.get("perf/max_running"),
+        "time_share": {k.split("/")[-1]: v for k, v in out.metrics.items() if k.startswith("layout/time_share/")},
+        "phases": [{k: p[k] for k in ("layout", "t_start", "t_end", "steps", "batch_size_start", "batch_size_end",
+                                      "tokens")} for p in tl.phases],
+        "decisions": len(tl.decisions),
+    }
+
+
+def run_transformers(work: dict, args) -> dict:
+    """The same weights in transformers; static left-padded batches of ``args.hf_batch`` rows."""
+    import transformers
+
+    from splash_rollout.models.weights import save_checkpoint
+    from splash_rollout.rollout.ranks import load_model
+
+    cfg = resolve_model(args.model)
+    if cfg.model_type != "glm_moe_dsa":
+        raise ValueError(f"--model: the transformers peer maps glm_moe_dsa models, got {cfg.model_type}")
+    config = EngineConfig(model=args.model, seed=args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(load_model(config, cfg), tmp)
+        hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    rows = [(p, m) for p, m in zip(work["prompts"], work["response_lens"]) for _ in range(work["n"])]
+    torch.manual_seed(args.seed)
+
+    def gen(batch: list[tuple[list[int], int]]) -> int:
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (p, _) in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        longest = max(m for _, m in batch)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
+                          temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+        if out.shape[1] - width != longest:
+            raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, asked {longest}")
+        return len(batch) * longest
+
+    with torch.inference_mode():
+        gen([(rows[0][0][:8], 2)])  # warm-up
+        start = time.perf_counter()
+        computed = sum(gen(rows[i:i + args.hf_batch]) for i in range(0, len(rows), args.hf_batch))
+        wall = time.perf_counter() - start
+    tokens = sum(m for _, m in rows)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "samples": len(rows),
+            "batch_rows": args.hf_batch, "generated_rows_x_steps": computed, "padding_waste": 1 - tokens / computed,
+            "torch_threads": torch.get_num_threads()}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s for s in SYSTEMS if s in result["tokens_per_s"]]
+    vals = [result["tokens_per_s"][s] for s in names]
+    colors = ["tab:blue"] * len(FIXED) + ["tab:orange", "tab:gray"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(names, vals, color=colors[: len(names)])
+    for b, v in zip(bars, vals):
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom")
+    w = result["workload"]
+    ax.set_ylabel("response tokens / s")
+    ax.set_title(f"draining rollout: {w['num_prompts']} prompts x n={w['n']}, {w['response_tokens']} tokens, "
+                 f"T={result['world_size']}\nauto / best fixed = {result['ratio_auto_vs_best_fixed']:.2f}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True, help="output JSON path")
+    ap.add_argument("--png", help="bar chart of tokens/s per system")
+    ap.add_argument("--quick", action="store_true", help="tiny workload (smoke test)")
+    ap.add_argument("--model", default="glm5-nano")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--num-prompts", type=int, help="override the workload's prompt count")
+    ap.add_argument("--n", type=int, help="override samples per prompt")
+    ap.add_argument("--max-response", type=int, help="override the longest response")
+    ap.add_argument("--memory-budget-gib", type=float, default=0.25, help="KV + attention weights per rank")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--profile", default="cpu", help="hardware profile auto prices layouts with")
+    ap.add_argument("--hf-batch", type=int, default=64, help="rows per transformers generate call")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peer")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    bad = sorted(set(systems) - set(SYSTEMS))
+    if bad:
+        ap.error(f"--systems: unknown {bad}; choose from {SYSTEMS}")
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # the engine's CPU default; same for the peer
+
+    params = dict(QUICK if args.quick else FULL)
+    for key, val in (("num_prompts", args.num_prompts), ("n", args.n), ("max_response", args.max_response)):
+        if val is not None:
+            params[key] = val
+    work = make_workload(**{k: v for k, v in params.items() if k != "n"}, n=params["n"],
+                         vocab_size=resolve_model(args.model).vocab_size, seed=args.seed)
+    runs: dict[str, dict] = {}
+    for name in systems:
+        t0 = time.perf_counter()
+        runs[name] = run_transformers(work, args) if name == "transformers" else run_engine(name, work, args)
+        print(f"  {name:>12}: {runs[name]['tokens_per_s']:8.1f} tokens/s  ({runs[name]['wall_s']:.1f} s timed, "
+              f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
+    tps = {k: v["tokens_per_s"] for k, v in runs.items()}
+    fixed = {k: tps[k] for k in FIXED if k in tps}
+    best = max(fixed, key=fixed.get) if fixed else None
+    result = {
+        "tokens_per_s": tps,
+        "ratio_auto_vs_best_fixed": tps["auto"] / fixed[best] if "auto" in tps and best else None,
+        "best_fixed": best,
+        "ratio_auto_vs_transformers": tps["auto"] / tps["transformers"] if {"auto", "transformers"} <= set(tps) else None,
+        "model": args.model, "world_size": args.world_size, "quick": args.quick,
+        "engine": {"memory_budget_gib": args.memory_budget_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_num_seqs": args.max_num_seqs, "profile": args.profile, "attention_backend": "torch_ref",
+                   "dtype": "float32", "torch_threads_per_rank": max(1, (os.cpu_count() or 1) // args.world_size)},
+        "workload": describe(work, params, args.seed),
+        "runs": runs,
+        "cpu_count": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+    }
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.png:
+        plot(result, args.png)
+    print(json.dumps({k: result[k] for k in ("tokens_per_s", "ratio_auto_vs_best_fixed", "best_fixed",
+                                             "ratio_auto_vs_transformers")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
