@@ -1,0 +1,68 @@
+"""Smoke tests of the measured benchmarks (benchmarks/*.py): they run end to end on spawned ranks,
+write the contract keys, and count samples and admissions right. No timing is asserted: speed lives
+in the benchmarks' JSON."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _run(script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_rollout_drain_quick(tmp_path):
+    out, png = tmp_path / "drain.json", tmp_path / "drain.png"
+    _run("rollout_drain.py", "--json", str(out), "--png", str(png), "--quick")
+    r = json.loads(out.read_text())
+    systems = {"tp", "cp", "dp", "dop", "auto", "transformers"}
+    assert set(r["tokens_per_s"]) == systems
+    assert all(v > 0 for v in r["tokens_per_s"].values())
+    best = max(r["tokens_per_s"][k] for k in ("tp", "cp", "dp", "dop"))
+    assert r["ratio_auto_vs_best_fixed"] == pytest.approx(r["tokens_per_s"]["auto"] / best)
+    w = r["workload"]
+    assert w["num_samples"] == w["num_prompts"] * w["n"] == len(w["prompt_lens"]) * w["n"]
+    assert w["response_tokens"] == w["n"] * sum(w["response_lens"])
+    for name in systems:
+        run = r["runs"][name]
+        assert run["samples"] == w["num_samples"] and run["tokens"] == w["response_tokens"]
+        assert run["wall_s"] > 0
+    for name in systems - {"transformers"}:
+        run = r["runs"][name]
+        assert run["steps"] >= max(w["response_lens"]) and run["switches"] >= 0
+        assert sum(p["steps"] for p in run["phases"]) == run["steps"]
+    for name in ("tp", "cp", "dp", "dop"):  # a fixed layout never switches
+        assert r["runs"][name]["switches"] == 0 and {p["layout"] for p in r["runs"][name]["phases"]} == {name}
+    assert png.stat().st_size > 0
+
+
+def test_capacity_dop_admits_more_than_dp(tmp_path):
+    out = tmp_path / "capacity.json"
+    _run("capacity.py", "--json", str(out), "--systems", "dp,dop", "--requests", "8", "--max-new-tokens", "8",
+         "--prompt-len", "120")
+    r = json.loads(out.read_text())
+    for name in ("dp", "dop"):
+        row = r["layouts"][name]
+        assert row["measured"]["finished"] == 8
+        assert row["measured"]["max_running"] == row["predicted_max_running"]
+    assert r["pool_tokens_per_rank"]["dop"] > r["pool_tokens_per_rank"]["dp"]
+    assert r["max_running"]["dop"] > r["max_running"]["dp"]
+
+
+def test_layout_sweep_small(tmp_path):
+    out = tmp_path / "sweep.json"
+    _run("layout_sweep.py", "--json", str(out), "--inputs", "16,32", "--batches", "2", "--output-len", "4",
+         "--layouts", "dp,dop", "--repeats", "1")
+    r = json.loads(out.read_text())
+    assert set(r["leaders"]["B2"]) == {"16", "32"} and set(r["leaders"]["B2"].values()) <= {"dp", "dop"}
+    for p in r["points"]:
+        assert p["tokens_per_s"] == pytest.approx(p["batch"] * (p["input_len"] + 4) / p["batch_s"])
