@@ -45,6 +45,10 @@ class EngineConfig:
     """{step: layout}: switch at these engine steps (tests and benchmarks; the scheduler decides otherwise)."""
     rank_timeout_s: float = 60.0
     """Longest wait for any other rank (collectives, step plans); a dead rank becomes an error."""
+    progress: bool | None = None
+    """A progress bar on ``generate`` (requests done / total, layout, tokens/s), drawn on stderr by the
+    driver (rank 0). None: only when stderr is a terminal (logs, CI and tests stay clean); True /
+    False: always / never."""
     flush_denormal: bool = True
     """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
     of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below

@@ -85,13 +85,18 @@ def test_wandb_offline_run_holds_metrics_table_and_image(tmp_path, monkeypatch):
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     assert len(runs) == 1
     assert glob.glob(os.path.join(runs[0], "run-*.wandb"))
-    assert glob.glob(os.path.join(runs[0], "files", "media", "table", "timeline", "phases_*.table.json"))
-    assert glob.glob(os.path.join(runs[0], "files", "media", "images", "timeline", "plot_*.png"))
+    [table] = glob.glob(os.path.join(runs[0], "files", "media", "table", "timeline", "phases_*.table.json"))
+    written = json.loads(open(table).read())  # the rows themselves, not only a file
+    assert written["columns"] == list(TABLE_COLUMNS)
+    assert written["data"] == [list(r) for r in table_rows(1, TIMELINE)] and len(written["data"]) >= 1
+    [image] = glob.glob(os.path.join(runs[0], "files", "media", "images", "timeline", "plot_*.png"))
+    assert open(image, "rb").read() == open(png, "rb").read()
     # the run's record log (protobuf records, uncompressed) holds every logged key and value
     path = glob.glob(os.path.join(runs[0], "run-*.wandb"))[0]
     log = open(path, "rb").read()
     assert b"reward/mean" in log and b"0.25" in log and b"0.5" in log and b"layout/switches" in log
     assert b"timeline/phases" in log and b"table-file" in log
+    assert b"timeline/plot" in log and b"image-file" in log
 
 
 def test_progress_bar_disabled_is_noop_and_enabled_counts(capsys):
