@@ -7,7 +7,13 @@ in rank order. ``fn`` must be importable (a module-level function). Workers keep
 in ``ctx.state``, which is how an engine lives in them.
 
 Nothing waits forever: every call has a timeout, a worker that dies is noticed within a poll
-interval and named in the error, and an exception on any rank comes back with its traceback.
+interval and named in the error, and an exception on any rank comes back with its traceback. The
+timeout bounds silence, not the call: a long call stays alive while its ranks send heartbeats
+(``ctx.heartbeat(info)``, e.g. once per engine step), so a 10-minute rollout is fine and a rank that
+stops answering is an error ``timeout_s`` after its last sign of life.
+
+``group.interrupt`` is an event shared with every worker: the caller sets it (from any thread) to
+ask a running call to stop early; functions poll ``ctx.interrupted()`` at safe points.
 """
 from __future__ import annotations
 
@@ -33,6 +39,22 @@ class WorkerContext:
 
     groups: ProcessGroups
     state: dict[str, Any] = field(default_factory=dict)
+    interrupt: Any = None
+    """The group's shared ``multiprocessing.Event`` (see ``WorkerGroup.interrupt``)."""
+    _beat: Callable[[Any], None] | None = None
+    _last_beat: float = 0.0
+
+    def heartbeat(self, info: Any = None, min_interval_s: float = 0.2) -> None:
+        """Tell the caller this rank is alive and working on the current call (rate-limited);
+        ``info`` (small, picklable) shows up in ``WorkerGroup.progress``."""
+        now = time.monotonic()
+        if self._beat is not None and now - self._last_beat >= min_interval_s:
+            self._last_beat = now
+            self._beat(info)
+
+    def interrupted(self) -> bool:
+        """Whether the caller asked the running call to stop early."""
+        return self.interrupt is not None and self.interrupt.is_set()
 
     @property
     def rank(self) -> int:
@@ -50,12 +72,13 @@ def free_port() -> int:
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float, threads: int,
-                 calls: Any, results: Any) -> None:
+                 calls: Any, results: Any, interrupt: Any = None) -> None:
     import torch
 
     torch.set_num_threads(threads)
     try:
-        ctx = WorkerContext(init_process_groups(rank, world_size, "127.0.0.1", port, backend, timeout_s))
+        ctx = WorkerContext(init_process_groups(rank, world_size, "127.0.0.1", port, backend, timeout_s),
+                            interrupt=interrupt)
         results.put((rank, "ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         results.put((rank, "error", traceback.format_exc()))
@@ -65,6 +88,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s:
         if item is None:
             break
         call_id, fn, args, kwargs = item
+        ctx._beat = lambda info, cid=call_id: results.put((rank, cid, ("beat", info)))
         try:
             results.put((rank, call_id, ("ok", fn(ctx, *args, **kwargs))))
         except BaseException:  # noqa: BLE001
@@ -87,9 +111,13 @@ class WorkerGroup:
         port = free_port()
         self._results = ctx.Queue()
         self._calls = [ctx.Queue() for _ in range(world_size)]
+        self.interrupt = ctx.Event()
+        """Set by the caller (any thread) to ask the running call to stop early; see ``WorkerContext``."""
+        self.progress: dict[int, Any] = {}
+        """rank -> the info of its latest heartbeat in the running call (empty between calls)."""
         self._procs = [ctx.Process(target=_worker_main, name=f"splash-rank{r}", daemon=True,
                                    args=(r, world_size, port, backend, timeout_s, threads, self._calls[r],
-                                         self._results))
+                                         self._results, self.interrupt))
                        for r in range(world_size)]
         self._next_call, self._closed = 0, False
         for p in self._procs:
@@ -123,7 +151,7 @@ class WorkerGroup:
                 rank, cid, payload = self._results.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if cid == call_id and payload[0] == "error":
+            if cid == call_id and payload[0] == "error":  # (heartbeats are skipped)
                 errors[rank] = payload[1]
         causes = [r for r, tb in errors.items() if "Timed out" not in tb and "Connection closed" not in tb]
         lead = min(causes) if causes else min(errors)
@@ -131,13 +159,15 @@ class WorkerGroup:
         return f"rank {lead} raised during {what}:\n{errors[lead]}" + (f"\nother ranks:{others}" if others else "")
 
     def _collect(self, call_id: Any, timeout_s: float, what: str) -> list[Any]:
+        """The T answers to one call. ``timeout_s`` bounds silence: every heartbeat restarts it."""
         deadline = time.monotonic() + timeout_s
         got: dict[int, Any] = {}
         while len(got) < self.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.world_size)) - set(got))
-                raise RankFailure(f"{what}: ranks {missing} did not answer within {timeout_s:.0f} s")
+                raise RankFailure(f"{what}: ranks {missing} did not answer (no result and no heartbeat) "
+                                  f"within {timeout_s:.0f} s; last heartbeats: {self.progress or 'none'}")
             try:
                 rank, cid, payload = self._results.get(timeout=min(0.5, remaining))
             except queue.Empty:
@@ -151,6 +181,10 @@ class WorkerGroup:
                 got[rank] = None
                 continue
             status, value = payload
+            if status == "beat":
+                self.progress[rank] = value
+                deadline = time.monotonic() + timeout_s
+                continue
             if status == "error":
                 self._blame_dead_rank(what, f"rank {rank} saw: {value.strip().splitlines()[-1]}")
                 raise RankFailure(self._describe_errors(what, call_id, {rank: value}))
@@ -164,9 +198,13 @@ class WorkerGroup:
         self._check_alive(getattr(fn, "__name__", "call"))
         self._next_call += 1
         call_id = self._next_call
+        self.progress = {}
         for q in self._calls:
             q.put((call_id, fn, args, kwargs))
-        return self._collect(call_id, timeout_s or self.timeout_s, what=getattr(fn, "__name__", "call"))
+        try:
+            return self._collect(call_id, timeout_s or self.timeout_s, what=getattr(fn, "__name__", "call"))
+        finally:
+            self.progress = {}
 
     @property
     def alive(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -149,6 +150,14 @@ class GroupEngine:
         """Every rank: bytes and waits of each switch it took part in (merged into switch_log)."""
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, seconds)."""
+        self.heartbeat: Callable[[dict], None] | None = None
+        """Every rank: called after each step with {step, finished} (a spawned rank's sign of life)."""
+        self.should_abort: Callable[[], bool] | None = None
+        """Rank 0: polled at each step boundary; when true, every unfinished request of the call is
+        aborted (finish_reason ``abort``, pages freed) and ``serve`` returns normally."""
+        self.failed: str | None = None
+        """Why a ``serve`` failed on this rank. The ranks are then out of step (some may have left a
+        collective, a switch may be half-moved), so this engine refuses every later call."""
         if rank == 0:
             placement = KVPlacement([num_pages] * t, page_size, layout)
             self.scheduler: Scheduler | None = Scheduler(placement, max_num_batched_tokens, max_num_seqs)
@@ -205,6 +214,16 @@ class GroupEngine:
     def serve(self, requests: list[Request] | None = None, max_steps: int | None = None) -> list[Request] | None:
         """Run a batch of requests to completion on every rank (rank 0 passes them in). With
         ``max_steps`` rank 0 stops early and leaves the rest running for the next call."""
+        if self.failed is not None:
+            raise RuntimeError(f"GroupEngine (rank {self.rank}): unusable after an earlier failure ({self.failed}); "
+                               f"build a new engine")
+        try:
+            return self._serve(requests, max_steps)
+        except BaseException as e:
+            self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            raise
+
+    def _serve(self, requests: list[Request] | None, max_steps: int | None) -> list[Request] | None:
         if self.rank != 0:
             while True:
                 plan = self.control.broadcast_object()
@@ -214,13 +233,19 @@ class GroupEngine:
                 if plan == "abort":
                     raise RuntimeError(f"rank {self.rank}: the driver (rank 0) aborted the call")
                 self.run(plan)
+                if self.heartbeat is not None:
+                    self.heartbeat({"step": self.num_steps})
         assert self.scheduler is not None
         for req in requests or []:
             self.scheduler.add(req)
         finished: list[Request] = []
         steps = 0
+        mid_step = False  # the plan is out: the other ranks are inside the step's collectives
         try:
             while self.scheduler.has_unfinished and (max_steps is None or steps < max_steps):
+                if self.should_abort is not None and self.should_abort():
+                    finished.extend(self.scheduler.abort_all())  # at a step boundary: nothing half-done
+                    break
                 steps += 1
                 order, placement_switch = self._switch_at_boundary()
                 scheduled = self.scheduler.schedule()
@@ -229,8 +254,10 @@ class GroupEngine:
                 start = time.perf_counter()
                 self.steps_in_layout += 1
                 plan = self._plan(scheduled, order)
+                mid_step = True
                 self.control.broadcast_object(plan)
                 logits = self.run(plan)
+                mid_step = False
                 samplers = [s.request for s in scheduled if s.samples]
                 tokens, logprobs = sample(logits, [r.spec for r in samplers], [r.generator for r in samplers])
                 finished.extend(self.scheduler.postprocess(scheduled, tokens, logprobs))
@@ -243,12 +270,15 @@ class GroupEngine:
                 if placement_switch is not None:
                     retire_source_pages(self.scheduler.placement, placement_switch)
                     self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
+                if self.heartbeat is not None:
+                    self.heartbeat({"step": self.num_steps, "finished": len(finished)})
         except BaseException:
             finished.extend(self.scheduler.abort_all())
-            try:  # tell the other ranks; if they are stuck in a collective this fails, keep the cause
-                self.control.broadcast_object("abort")
-            except Exception:  # noqa: BLE001
-                pass
+            if not mid_step:  # they wait for a plan: tell them. Mid-step they sit in a collective that
+                try:          # only their timeout ends, and so would this broadcast; raise the cause now
+                    self.control.broadcast_object("abort")
+                except Exception:  # noqa: BLE001
+                    pass
             raise
         self.control.broadcast_object(None)
         self._merge_switch_measures()

@@ -8,6 +8,7 @@ bad push is rejected as a whole and the old weights stay.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -19,6 +20,12 @@ _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)$")
 
 def validate_update(named: dict[str, torch.Tensor], full_shapes: dict[str, tuple]) -> None:
     """full_shapes: name -> (shape, dtype) of the unsharded model. Raises naming the first problem."""
+    if not isinstance(named, Mapping):
+        raise TypeError(f"update_weights: expected a dict of name -> tensor, got {type(named).__name__}")
+    not_tensors = sorted(n for n, t in named.items() if not isinstance(t, torch.Tensor))
+    if not_tensors:
+        raise TypeError(f"update_weights: {not_tensors[0]}: expected a torch.Tensor, "
+                        f"got {type(named[not_tensors[0]]).__name__}")
     unknown = sorted(set(named) - set(full_shapes))
     if unknown:
         raise ValueError(f"update_weights: unknown parameter names {unknown[:5]}")

@@ -73,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
+        if not self.rank_timeout_s > 0:
+            raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
         if str(self.layout).lower() != "auto":
             Layout.parse(self.layout, "layout")
         for step, name in (self.switch_schedule or {}).items():

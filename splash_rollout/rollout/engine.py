@@ -7,6 +7,7 @@ seed. All inputs are validated before any work starts. Multi-rank layouts arrive
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Sequence
 
@@ -22,6 +23,8 @@ from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, can
                                           worker_build, worker_can_ever_admit, worker_request_switch, worker_serve,
                                           worker_update_weights)
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics
+from splash_rollout.rollout.validation import (agree_across_ranks, check_sampling, check_world_size, prompt_ids,
+                                               request_digest)
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams, Timeline
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +52,10 @@ class RolloutEngine:
         self.engine = None  # single-rank Engine
         self.group = None  # spawned WorkerGroup
         self.group_engine = None  # in-process GroupEngine (torchrun)
+        self._abort = threading.Event()  # abort(): checked by the driver at each step boundary
+        self._call_lock = threading.Lock()
+        self._in_call: list[Request] | None = None  # the requests of the running generate call
+        self._broken: str | None = None  # why a multi-rank engine became unusable (a rank failed)
         if config.world_size == 1:
             self._init_single()
         else:
@@ -77,14 +84,9 @@ class RolloutEngine:
     def _init_group(self) -> None:
         from splash_rollout.distributed.groups import groups_in_process, initialized_world_size
         from splash_rollout.distributed.launch import WorkerGroup
-        from splash_rollout.layout.arith import div_even
 
         t = self.config.world_size
-        for what, n in (("num_heads", self.model_config.num_heads), ("n_routed_experts", self.model_config.n_routed_experts)):
-            try:
-                div_even(n, t) if n else None
-            except ValueError:
-                raise ValueError(f"world_size: {t} does not divide {what}={n} of {self.model_config.name}") from None
+        check_world_size(self.model_config, t)
         existing = initialized_world_size()
         if existing not in (None, 1, t):
             raise ValueError(f"world_size: {t}, but this process group has {existing} ranks")
@@ -118,11 +120,19 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Any] | str,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> RolloutBatch:
         """One group of ``n`` samples per prompt (token-id list or string)."""
-        if self._closed:
-            raise RuntimeError("generate: the engine is shut down")
+        self._check_usable("generate")
         requests, groups = self._make_requests(prompts, sampling)
         t0 = time.perf_counter()
-        steps, max_batch = self._run(requests)
+        with self._call_lock:
+            self._in_call = requests
+        try:
+            steps, max_batch = self._run(requests)
+        finally:
+            with self._call_lock:  # an abort() that arrives after the last step is not kept for the next call
+                self._in_call = None
+                self._abort.clear()
+                if self.group is not None:
+                    self.group.interrupt.clear()
         elapsed = time.perf_counter() - t0
         out = [SampleGroup(i, [Sample(list(r.prompt_ids), list(r.output_ids), list(r.output_logprobs),
                                       r.finish_reason or "abort", r.spec.seed,
@@ -150,6 +160,9 @@ class RolloutEngine:
             steps0, max_batch = self.engine.num_steps, 0
             try:
                 while self.engine.has_unfinished:
+                    if self._abort.is_set():
+                        self.engine.abort_all()  # at a step boundary; their finish_reason is "abort"
+                        break
                     self.engine.step()
                     max_batch = max(max_batch, len(self.engine.scheduler.running))
             except BaseException:
@@ -158,11 +171,16 @@ class RolloutEngine:
             return self.engine.num_steps - steps0, max_batch
         records = [RequestRecord.of(r) for r in requests]
         if self.group is not None:
-            results, steps, switches, decisions = self.group.run(worker_serve, records)[0]
+            results, steps, switches, decisions = self._on_ranks(worker_serve, records)[0]
         else:
-            mine = serve_records(self.group_engine, records)
-            mine = take_logs(self.group_engine, mine) if self.rank == 0 else None
-            results, steps, switches, decisions = self.group_engine.control.broadcast_object(mine)
+            try:
+                self.group_engine.should_abort = self._abort.is_set  # rank 0's driver polls it
+                mine = serve_records(self.group_engine, records)
+                mine = take_logs(self.group_engine, mine) if self.rank == 0 else None
+                results, steps, switches, decisions = self.group_engine.control.broadcast_object(mine)
+            except BaseException as e:
+                self._fail("generate", e)
+                raise
         self._last_logs = (steps, switches, decisions)
         by_id = {r.request_id: r for r in results}
         for req in requests:
@@ -175,11 +193,12 @@ class RolloutEngine:
         step if none is running). ``blocking`` moves all state before the step (the baseline)."""
         from splash_rollout.layout.layouts import Layout
 
+        self._check_usable("switch_layout")
         Layout.parse(dst, "dst")
         if self.engine is not None:
             raise ValueError("switch_layout: a single rank has no layouts to switch between (world_size=1)")
         if self.group is not None:
-            self.group.run(worker_request_switch, dst, blocking)
+            self._on_ranks(worker_request_switch, dst, blocking)
         elif self.rank == 0:
             self.group_engine.request_switch(dst, blocking)
 
@@ -188,42 +207,62 @@ class RolloutEngine:
             return [self.engine.scheduler.can_ever_admit(r) for r in requests]
         records = [RequestRecord.of(r) for r in requests]
         if self.group is not None:
-            return self.group.run(worker_can_ever_admit, records)[0]
-        mine = can_ever_admit(self.group_engine, records)
-        return self.group_engine.control.broadcast_object(mine)
+            return self._on_ranks(worker_can_ever_admit, records)[0]
+        try:
+            mine = can_ever_admit(self.group_engine, records)
+            return self.group_engine.control.broadcast_object(mine)
+        except BaseException as e:
+            self._fail("generate", e)
+            raise
 
     def _make_requests(self, prompts, sampling) -> tuple[list[Request], list[list[Request]]]:
-        """Validate everything, then build the requests (nothing is queued on error)."""
+        """Validate everything, then build the requests. On error nothing is queued and the seed
+        counters do not move, so the next call samples exactly as if the bad one never happened."""
+        counters = (self._num_calls, self._next_request_id)
+        try:
+            try:
+                requests, groups = self._build_requests(prompts, sampling)
+                error = None
+            except Exception as e:  # noqa: BLE001 - under torchrun the other ranks must hear of it
+                if self.group_engine is None:
+                    raise
+                requests, groups, error = [], [], e
+            if self.group_engine is not None:  # torchrun: every rank must hold the same requests
+                digest = None if error else request_digest([RequestRecord.of(r) for r in requests])
+                try:
+                    agree_across_ranks(self.group_engine.control.gather_objects, digest, error)
+                except (ValueError, TypeError):
+                    raise
+                except BaseException as e:
+                    if e is not error:
+                        self._fail("generate", e)
+                    raise
+            self._check_admissible(requests, groups)
+        except BaseException:
+            self._num_calls, self._next_request_id = counters
+            raise
+        return requests, groups
+
+    def _build_requests(self, prompts, sampling) -> tuple[list[Request], list[list[Request]]]:
+        """Check this rank's inputs (rollout/validation.py) and turn them into Requests."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise TypeError(f"prompts: expected a string or a sequence of prompts, got {type(prompts).__name__}") \
+                from None
         if not prompts:
-            raise ValueError("prompts: expected at least one prompt")
+            raise ValueError("prompts: expected at least one prompt, got none")
         if sampling is None:
             sampling = SamplingParams()
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(prompts):
             raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(params)}")
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling[{i}]: expected SamplingParams, got {type(p).__name__}")
         vocab = self.model_config.vocab_size
-        token_lists = []
-        for i, prompt in enumerate(prompts):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-            if not ids:
-                raise ValueError(f"prompts[{i}]: empty prompt")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompts[{i}]: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-            if len(ids) >= self.max_len:
-                raise ValueError(f"prompts[{i}]: {len(ids)} tokens is longer than the context "
-                                 f"(max_model_len {self.max_len} leaves no room for a response)")
-            token_lists.append(ids)
-        for i, p in enumerate(params):
-            bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"sampling[{i}].stop_token_ids: {bad} outside the vocabulary [0, {vocab})")
+        check_sampling(params, vocab, SamplingParams)
+        token_lists = [prompt_ids(i, prompt, vocab, self.max_len, lambda text: self.tokenizer.encode(text))
+                       for i, prompt in enumerate(prompts)]
         call = self._num_calls
         self._num_calls += 1
         eos = tuple(self.model_config.eos_token_ids)
@@ -240,23 +279,65 @@ class RolloutEngine:
                 group.append(req)
                 requests.append(req)
             groups.append(group)
+        return requests, groups
+
+    def _check_admissible(self, requests: list[Request], groups: list[list[Request]]) -> None:
+        """Every request must fit one rank's empty pools in the current layout (else it never runs)."""
         for req, ok in zip(requests, self._can_ever_admit(requests)):
             if not ok:
                 i = next(k for k, g in enumerate(groups) if req in g)
                 raise ValueError(f"prompts[{i}]: needs {req.pages_needed(self.config.page_size)} KV pages "
                                  f"(prompt + max_new_tokens), more than one rank's pool holds in layout "
                                  f"{self.config.layout}; lower max_new_tokens or raise memory_budget_gib / num_pages")
-        return requests, groups
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def abort(self) -> int:
-        """Abort everything queued or running; returns how many requests were aborted."""
-        return len(self.engine.abort_all()) if self.engine is not None else 0
+        """Stop the running ``generate`` call (call this from another thread) at its next step
+        boundary: its unfinished requests come back with finish_reason ``abort`` (with what they had
+        generated; their pages are freed), finished ones keep theirs, and ``generate`` returns
+        normally. Every world size: one rank checks a flag in its step loop; spawned ranks share an
+        event with this process; under torchrun call it on rank 0, whose driver polls it. Returns the
+        number of requests in the running call (0 when none runs: nothing is kept for a later call)."""
+        with self._call_lock:
+            if self._in_call is None:
+                return 0
+            self._abort.set()
+            if self.group is not None:
+                self.group.interrupt.set()
+            return len(self._in_call)
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}: the engine is shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"{what}: this RolloutEngine is unusable after a failure on its ranks ({self._broken}); "
+                               f"call shutdown() and build a new RolloutEngine")
+
+    def _on_ranks(self, fn, *args):
+        """``fn`` on every spawned rank. A failure there leaves the ranks out of step (some may still
+        sit in a collective, a switch may be half-moved), so the workers are stopped and every later
+        call says why (an input error never gets this far: it is raised before anything is sent)."""
+        try:
+            return self.group.run(fn, *args)
+        except BaseException as e:
+            self._fail(fn.__name__, e)
+            raise
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        cause = next((line for line in reversed(lines) if "Error" in line.split(":")[0] or "Fault" in line.split(":")[0]),
+                     None)
+        self._broken = f"{what}: {type(e).__name__}: {lines[0] if lines else ''}" + (
+            f" ... {cause}" if cause and cause != lines[0] else "")
+        if self.group is not None:
+            self.group.shutdown(force=True)
+
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Put full (trainer-side) weights into the engine's current layout, named as the model's
         parameters. Each rank slices its own shards; a bad push (unknown name, shape, dtype) is
         rejected as a whole and the old weights stay. ``version`` is stamped on later samples."""
+        self._check_usable("update_weights")
         if self.engine is not None:
             from splash_rollout.engine.weight_update import validate_update
 
@@ -269,9 +350,16 @@ class RolloutEngine:
             from splash_rollout.engine.weight_update import validate_update
 
             validate_update(named_tensors, self._full_shapes)  # here, before anything is sent
-            self.group.run(worker_update_weights, dict(named_tensors))
+            self._on_ranks(worker_update_weights, dict(named_tensors))
         else:
-            self.group_engine.update_weights(named_tensors)
+            from splash_rollout.engine.weight_update import validate_update
+
+            validate_update(named_tensors, self.group_engine.full_shapes)  # an input error, not a rank failure
+            try:
+                self.group_engine.update_weights(named_tensors)
+            except BaseException as e:
+                self._fail("update_weights", e)
+                raise
         if version is not None:
             self.weight_version = version
 

@@ -121,6 +121,8 @@ def worker_build(ctx, config) -> dict:
 def worker_serve(ctx, records: list[RequestRecord]):
     """Every rank serves; rank 0 returns (results, step log, switch log) and clears its logs."""
     engine = ctx.state["engine"]
+    engine.heartbeat = ctx.heartbeat  # keeps a long call alive in the caller's eyes (launch.py)
+    engine.should_abort = ctx.interrupted  # RolloutEngine.abort() in the caller sets it
     results = serve_records(engine, records if ctx.rank == 0 else None)
     return None if ctx.rank else take_logs(engine, results)
 

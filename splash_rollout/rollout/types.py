@@ -1,6 +1,7 @@
 """Rollout data types: SamplingParams in, RolloutBatch (groups of samples + layout timeline) out."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +24,17 @@ class SamplingParams:
     seed, a per-call counter and the prompt index. Same seed, same tokens, whatever the batch."""
 
     def __post_init__(self) -> None:
+        for name in ("n", "top_k", "max_new_tokens") + (("seed",) if self.seed is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+        bad = [t for t in self.stop_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise TypeError(f"stop_token_ids: expected integer token ids, got {bad[:5]}")
         if self.n < 1:
             raise ValueError(f"n: expected >= 1, got {self.n}")
         if not self.temperature >= 0:
