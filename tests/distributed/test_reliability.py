@@ -190,6 +190,27 @@ def test_bad_weight_push_keeps_the_old_weights_on_every_rank(engine):
 
 
 # ---- faults --------------------------------------------------------------------------------------
+def busy(ctx, seconds: float, beat: bool) -> int:
+    """Work for ``seconds``, with or without heartbeats."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if beat:
+            ctx.heartbeat({"left": end - time.monotonic()}, min_interval_s=0.0)
+        time.sleep(0.05)
+    return ctx.rank
+
+
+def test_the_timeout_bounds_silence_not_the_length_of_a_call(group2):
+    assert group2.run(busy, 0.0, False) == [0, 1]  # the ranks import this module first (not timed)
+    assert group2.run(busy, 2.5, True, timeout_s=1.0) == [0, 1]  # longer than the timeout, but alive
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"busy: ranks \[0, 1\] did not answer \(no result and no heartbeat\) "
+                                          r"within 1 s"):
+        group2.run(busy, 2.5, False, timeout_s=1.0)  # a stuck rank: an error, not a hang
+    assert time.monotonic() - start < 1.0 + 10
+    assert group2.run(busy, 0.0, False) == [0, 1]  # the group still serves (the late answer is dropped)
+
+
 def _kill_when_serving(engine: RolloutEngine, rank: int, steps: int) -> dict:
     """Kill ``rank`` with SIGKILL once the driver reports ``steps`` steps of the running call."""
     out = {}

@@ -110,6 +110,12 @@ def test_engine_config_names_the_field(kw, message):
         EngineConfig(**kw)
 
 
+def test_switch_layout_names_an_unknown_layout():
+    with RolloutEngine(EngineConfig(**CFG)) as eng:
+        with pytest.raises(ValueError, match=r"dst: unknown layout 'zz'; expected one of tp, cp, dp, dop"):
+            eng.switch_layout("zz")
+
+
 def test_default_rank_timeout_is_at_most_a_minute():
     assert 0 < EngineConfig().rank_timeout_s <= 60
 
