@@ -7,29 +7,23 @@ from __future__ import annotations
 
 import statistics
 
-import numpy as np
 import torch
 
 from splash_rollout.engine.group_engine import sizes_for
-from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import resolve_model
-from splash_rollout.scheduling.cost_model import StepBatch, step_time
+from splash_rollout.scheduling.fit import predict_point
 from splash_rollout.scheduling.profile import load_profile
 
 
 def predict(points: list[dict], model: str, profile_source: str, world_size: int) -> list[dict]:
+    """Each measured point with the cost model's ``predicted_prefill_ms`` / ``predicted_decode_ms``."""
     cfg = resolve_model(model)
     profile = load_profile(profile_source).replace(world_size=world_size)
     sizes = sizes_for(cfg, torch.float32)
     out = []
     for p in points:
-        b, s = p["batch"], p["context"]
-        owners = np.arange(b) % world_size
-        prefill = StepBatch.make([s] * b, [s] * b, owners)
-        decode = StepBatch.make([s + 2] * b, [1] * b, owners)
-        layout = Layout.parse(p["layout"])
-        out.append(dict(p, predicted_prefill_ms=1e3 * step_time(layout, prefill, cfg, profile, sizes).seconds,
-                        predicted_decode_ms=1e3 * step_time(layout, decode, cfg, profile, sizes).seconds))
+        prefill_ms, decode_ms = predict_point(p, cfg, profile, sizes)
+        out.append(dict(p, predicted_prefill_ms=prefill_ms, predicted_decode_ms=decode_ms))
     return out
 
 
