@@ -36,6 +36,7 @@ from splash_rollout.engine.projections import ProjectionShard, drop_full_project
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.sampler import sample
 from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
+from splash_rollout.engine.sleep import TensorOffload, process_rss_bytes, storage_bytes, weight_tensors
 from splash_rollout.layout.bytes import AttentionBytes
 from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
@@ -84,6 +85,21 @@ class SwitchOrder:
     blocking: bool = False
     pool_pages: int | None = None
     """KV pages per rank in ``dst`` (None: the pool keeps its size)."""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What rank 0 tells ``GroupEngine.on_step`` after each step of a ``serve`` call."""
+
+    step: int
+    layout: str
+    done: int
+    """Requests of this call finished so far."""
+    total: int
+    """Requests of this call (finished + still queued or running)."""
+    new_tokens: int
+    """Tokens sampled in this step."""
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -150,6 +166,10 @@ class GroupEngine:
         """Every rank: bytes and waits of each switch it took part in (merged into switch_log)."""
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, seconds)."""
+        self.on_step: Callable[[StepEvent], None] | None = None
+        """Rank 0: called after every step of ``serve`` (a progress bar); must not raise."""
+        self._offload: TensorOffload | None = None
+        """While asleep: the weights' storages, moved out of tensor memory (engine/sleep.py)."""
         self.heartbeat: Callable[[dict], None] | None = None
         """Every rank: called after each step with {step, finished} (a spawned rank's sign of life)."""
         self.should_abort: Callable[[], bool] | None = None
@@ -208,12 +228,16 @@ class GroupEngine:
         self._peak_bytes = max(self._peak_bytes, self.tracked_bytes() + switch.inflight_bytes())
 
     def tracked_bytes(self) -> int:
-        """Bytes of what a switch changes on this rank: projection shards and the KV pool."""
-        return sum(x.nbytes for x in self.state.shards) + self.state.pool.nbytes
+        """Bytes of what a switch changes on this rank: projection shards and the KV pool (both 0
+        while asleep: their storages are freed)."""
+        shards = 0 if self.asleep else sum(x.nbytes for x in self.state.shards)
+        return shards + self.state.pool.nbytes
 
     def serve(self, requests: list[Request] | None = None, max_steps: int | None = None) -> list[Request] | None:
         """Run a batch of requests to completion on every rank (rank 0 passes them in). With
         ``max_steps`` rank 0 stops early and leaves the rest running for the next call."""
+        if self.asleep:  # every rank refuses before any collective; the engine stays usable
+            raise RuntimeError("serve: the engine is asleep; call wake_up() first")
         if self.failed is not None:
             raise RuntimeError(f"GroupEngine (rank {self.rank}): unusable after an earlier failure ({self.failed}); "
                                f"build a new engine")
@@ -267,6 +291,10 @@ class GroupEngine:
                     "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0
                                         or s.num_new > 1),
                     "running": len(self.scheduler.running), "seconds": time.perf_counter() - start})
+                if self.on_step is not None:
+                    self.on_step(StepEvent(plan.step, self.layout.value, len(finished),
+                                           len(finished) + len(self.scheduler.running) + len(self.scheduler.waiting),
+                                           len(samplers), self.step_log[-1]["seconds"]))
                 if placement_switch is not None:
                     retire_source_pages(self.scheduler.placement, placement_switch)
                     self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
@@ -302,6 +330,8 @@ class GroupEngine:
 
     def update_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Every rank: slice the full tensors into this rank's shards (rejected as a whole if bad)."""
+        if self.asleep:
+            raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
         validate_update(named, self.full_shapes)
         apply_update(self.model, self.state.shards, named, self.rank, self.world_size)
 
@@ -369,6 +399,38 @@ class GroupEngine:
             seqs.append(PlannedSeq(r.request_id, r.token_ids[s.start: s.start + s.num_new], s.start, s.num_new,
                                    [list(t) for t in r.rank_pages], s.samples, r.owner))
         return StepPlan(self.num_steps, switch.dst if switch else self.layout, seqs, switch)
+
+    # ---- sleep / wake (every rank; engine/sleep.py) ----------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self._offload is not None
+
+    def sleep(self) -> None:
+        """Collective: free this rank's KV pool and move its weights out of tensor memory. Refused on
+        every rank (nothing released) while rank 0 has requests queued or running."""
+        if self.asleep:
+            raise RuntimeError("sleep: the engine is already asleep")
+        busy = self.scheduler.has_unfinished if self.rank == 0 else None
+        if self.control.broadcast_object(busy):
+            raise RuntimeError("sleep: requests are still queued or running; abort them or let them finish first")
+        self.state.pool.release()
+        offload = TensorOffload(weight_tensors(self.model, self.state.shards))
+        offload.release()
+        self._offload = offload
+
+    def wake_up(self) -> None:
+        """This rank: the weights back bit for bit and a zeroed KV pool of the size it had."""
+        if not self.asleep:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        self._offload.restore()
+        self._offload = None
+        self.state.pool.restore()
+
+    def memory_stats(self) -> dict[str, int | None]:
+        """This rank's bytes, measured: ``tracked_bytes`` (projection shards + KV pool), ``kv_pool``,
+        ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
+        return {"tracked_bytes": self.tracked_bytes(), "kv_pool": self.state.pool.nbytes,
+                "weights": storage_bytes(weight_tensors(self.model, self.state.shards)), "rss": process_rss_bytes()}
 
     # ---- accounting ----------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:

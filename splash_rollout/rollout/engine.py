@@ -21,7 +21,8 @@ from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, can_ever_admit, load_model, serve_records, take_logs,
                                           worker_build, worker_can_ever_admit, worker_request_switch, worker_serve,
-                                          worker_update_weights)
+                                          worker_update_weights, worker_memory_stats, worker_sleep, worker_wake_up)
+from splash_rollout.rollout.progress import RolloutProgress, progress_enabled
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics
 from splash_rollout.rollout.validation import (agree_across_ranks, check_sampling, check_world_size, prompt_ids,
                                                request_digest)
@@ -66,6 +67,9 @@ class RolloutEngine:
         self._num_calls = 0
         self._next_request_id = 0
         self._closed = False
+        self._asleep = False
+        self._progress = progress_enabled(config.progress)
+        """Whether the driver draws a progress bar (EngineConfig.progress, resolved here)."""
 
     def _init_single(self) -> None:
         config = self.config
@@ -121,6 +125,7 @@ class RolloutEngine:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> RolloutBatch:
         """One group of ``n`` samples per prompt (token-id list or string)."""
         self._check_usable("generate")
+        self._check_awake("generate")
         requests, groups = self._make_requests(prompts, sampling)
         t0 = time.perf_counter()
         with self._call_lock:
@@ -158,24 +163,29 @@ class RolloutEngine:
             for req in requests:
                 self.engine.add_request(req)
             steps0, max_batch = self.engine.num_steps, 0
+            bar, done = RolloutProgress(len(requests), enabled=self._progress), 0
             try:
                 while self.engine.has_unfinished:
                     if self._abort.is_set():
                         self.engine.abort_all()  # at a step boundary; their finish_reason is "abort"
                         break
-                    self.engine.step()
+                    done += len(self.engine.step())
                     max_batch = max(max_batch, len(self.engine.scheduler.running))
+                    if bar.enabled:
+                        bar.update(done, tokens=sum(len(r.output_ids) for r in requests))
             except BaseException:
                 self.engine.abort_all()  # leave no request (and no page) behind for the next call
                 raise
+            finally:
+                bar.close()
             return self.engine.num_steps - steps0, max_batch
         records = [RequestRecord.of(r) for r in requests]
         if self.group is not None:
-            results, steps, switches, decisions = self._on_ranks(worker_serve, records)[0]
+            results, steps, switches, decisions = self._on_ranks(worker_serve, records, self._progress)[0]
         else:
             try:
                 self.group_engine.should_abort = self._abort.is_set  # rank 0's driver polls it
-                mine = serve_records(self.group_engine, records)
+                mine = serve_records(self.group_engine, records, self._progress)
                 mine = take_logs(self.group_engine, mine) if self.rank == 0 else None
                 results, steps, switches, decisions = self.group_engine.control.broadcast_object(mine)
             except BaseException as e:
@@ -332,12 +342,67 @@ class RolloutEngine:
         if self.group is not None:
             self.group.shutdown(force=True)
 
+    # ---- sleep / wake ----------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"{what}: the engine is asleep (its weights and KV memory are released); "
+                               f"call wake_up() first")
+
+    def sleep(self) -> None:
+        """Give back the engine's memory on every rank until ``wake_up`` (engine/sleep.py): the KV
+        pool's tensors are freed (its contents are dropped) and every weight tensor's storage is
+        moved out — to (pinned) host memory from an accelerator, to an unnamed temporary file from
+        CPU memory — and freed in place. Refused while a ``generate`` call is running (``abort()``
+        it and let it return first): nothing is aborted implicitly. Under torchrun every rank calls
+        it. While asleep, ``generate`` and ``update_weights`` raise."""
+        self._check_usable("sleep")
+        if self._asleep:
+            raise RuntimeError("sleep: the engine is already asleep")
+        with self._call_lock:
+            if self._in_call is not None:
+                raise RuntimeError("sleep: a generate call is running; abort() it and let it return first")
+        if self.engine is not None:
+            self.engine.sleep()
+        elif self.group is not None:
+            self._on_ranks(worker_sleep)
+        else:
+            self.group_engine.sleep()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` released: the weights bit for bit and an empty KV pool of the same
+        size. Outputs after waking equal those before sleeping (same seeds, same tokens)."""
+        self._check_usable("wake_up")
+        if not self._asleep:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        if self.engine is not None:
+            self.engine.wake_up()
+        elif self.group is not None:
+            self._on_ranks(worker_wake_up)
+        else:
+            self.group_engine.wake_up()
+        self._asleep = False
+
+    def memory_stats(self) -> list[dict[str, int | None]]:
+        """Per rank, measured: ``tracked_bytes`` (switchable projections + KV pool), ``kv_pool``,
+        ``weights`` (allocated storage under every weight tensor), ``rss`` (the rank's process
+        resident set, bytes). Under torchrun a collective: every rank calls it and gets the list."""
+        if self.engine is not None:
+            return [self.engine.memory_stats()]
+        if self.group is not None:
+            return self._on_ranks(worker_memory_stats)
+        return self.group_engine.control.gather_objects(self.group_engine.memory_stats())
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Put full (trainer-side) weights into the engine's current layout, named as the model's
         parameters. Each rank slices its own shards; a bad push (unknown name, shape, dtype) is
         rejected as a whole and the old weights stay. ``version`` is stamped on later samples."""
         self._check_usable("update_weights")
+        self._check_awake("update_weights")
         if self.engine is not None:
             from splash_rollout.engine.weight_update import validate_update
 

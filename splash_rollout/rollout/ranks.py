@@ -102,9 +102,21 @@ def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes
                                    sizes.kv_format))
 
 
-def serve_records(engine: GroupEngine, records: list[RequestRecord] | None) -> list[RequestResult] | None:
-    """Every rank: run the batch; rank 0 returns the results (others None)."""
-    finished = engine.serve([r.request() for r in records] if engine.rank == 0 else None)
+def serve_records(engine: GroupEngine, records: list[RequestRecord] | None,
+                  progress: bool = False) -> list[RequestResult] | None:
+    """Every rank: run the batch; rank 0 returns the results (others None). ``progress``: rank 0
+    draws a progress bar on stderr, updated after every step."""
+    from splash_rollout.rollout.progress import RolloutProgress
+
+    bar = RolloutProgress(len(records or []), enabled=progress and engine.rank == 0)
+    hook = engine.on_step  # a caller's own hook keeps running
+    if bar.enabled:
+        engine.on_step = bar.on_step if hook is None else (lambda event: (hook(event), bar.on_step(event)))
+    try:
+        finished = engine.serve([r.request() for r in records] if engine.rank == 0 else None)
+    finally:
+        engine.on_step = hook
+        bar.close()
     if finished is None:
         return None
     return [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort")
@@ -118,12 +130,12 @@ def worker_build(ctx, config) -> dict:
     return {"num_pages": engine.state.pool.num_pages, "full_shapes": engine.full_shapes, **engine.resident_bytes()}
 
 
-def worker_serve(ctx, records: list[RequestRecord]):
+def worker_serve(ctx, records: list[RequestRecord], progress: bool = False):
     """Every rank serves; rank 0 returns (results, step log, switch log) and clears its logs."""
     engine = ctx.state["engine"]
     engine.heartbeat = ctx.heartbeat  # keeps a long call alive in the caller's eyes (launch.py)
     engine.should_abort = ctx.interrupted  # RolloutEngine.abort() in the caller sets it
-    results = serve_records(engine, records if ctx.rank == 0 else None)
+    results = serve_records(engine, records if ctx.rank == 0 else None, progress)
     return None if ctx.rank else take_logs(engine, results)
 
 
@@ -152,3 +164,15 @@ def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | Non
 
 def worker_update_weights(ctx, named) -> None:
     ctx.state["engine"].update_weights(named)
+
+
+def worker_sleep(ctx) -> None:
+    ctx.state["engine"].sleep()
+
+
+def worker_wake_up(ctx) -> None:
+    ctx.state["engine"].wake_up()
+
+
+def worker_memory_stats(ctx) -> dict:
+    return ctx.state["engine"].memory_stats()
