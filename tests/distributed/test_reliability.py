@@ -155,6 +155,27 @@ def test_fifty_calls_with_switches_leave_no_page_behind(engine):
     assert assert_nothing_held(engine)["pages"] == first["pages"]  # same layout, same pool as 50 calls ago
 
 
+def test_ten_sleep_wake_cycles_leave_no_page_or_byte_behind(engine, reference):
+    first = assert_nothing_held(engine)
+    awake = [(m["kv_pool"], m["weights"]) for m in engine.memory_stats()]
+    for cycle in range(10):
+        engine.group.run(set_switch_schedule, {1: LAYOUTS[cycle % 4]})
+        batch = engine.generate([[3 + cycle] * 5, [7] * 9], SamplingParams(n=2, max_new_tokens=3, ignore_eos=True))
+        assert len(batch.samples) == 4 and all(s.finish_reason == "length" for s in batch.samples)
+        engine.group.run(set_switch_schedule, {})
+        engine.sleep()
+        assert all(m["kv_pool"] == 0 for m in engine.memory_stats())
+        engine.wake_up()
+        assert_nothing_held(engine)
+        if cycle % 4 == 3:  # back in the first layout: the same pools and weights as before the cycles
+            engine.switch_layout(first["layout"])
+            engine.generate([[3]], SamplingParams(max_new_tokens=1))
+            assert assert_nothing_held(engine)["pages"] == first["pages"]
+            assert [(m["kv_pool"], m["weights"]) for m in engine.memory_stats()] == awake
+    engine.switch_layout("tp")
+    assert [s.response_ids for s in engine.generate(PROMPTS, SEEDED).samples] == reference
+
+
 def test_abort_stops_a_group_call_at_a_step_boundary(engine, reference):
     assert engine.abort() == 0  # no call running: nothing is kept for later
     base = engine.group.run(page_stats)[0]["num_steps"]

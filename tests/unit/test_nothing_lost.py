@@ -1,6 +1,6 @@
 """Nothing lost on one rank (issue 9): every submitted sample comes back exactly once with a finish
 reason that fits its tokens, whatever the request mix and wherever an abort lands, and no KV page is
-held after any call (50 calls: no growth). The 2-rank version, with switch schedules, is in
+held after any call (50 calls, 10 sleep/wake cycles: no growth). The 2-rank version, with switch schedules, is in
 tests/distributed/test_reliability.py.
 """
 from __future__ import annotations
@@ -94,4 +94,19 @@ def test_fifty_calls_leave_no_page_behind(engine):
         assert all(s.finish_reason in ("stop", "length") for s in batch.samples)
         assert all(s.finish_reason == "length" or s.response_ids[-1] in (*range(100, 120), *eos)
                    for s in batch.samples)
+        assert_nothing_held(engine)
+
+
+def test_ten_sleep_wake_cycles_leave_no_page_or_byte_behind(engine):
+    params = SamplingParams(n=2, max_new_tokens=5, seed=3)
+    want = [s.response_ids for s in engine.generate([[3, 4, 5], [6] * 7], params).samples]
+    awake = engine.memory_stats()[0]
+    for cycle in range(10):
+        engine.sleep()
+        assert engine.memory_stats()[0]["kv_pool"] == 0
+        engine.wake_up()
+        assert_nothing_held(engine)
+        assert {k: engine.memory_stats()[0][k] for k in ("kv_pool", "weights")} == \
+            {k: awake[k] for k in ("kv_pool", "weights")}
+        assert [s.response_ids for s in engine.generate([[3, 4, 5], [6] * 7], params).samples] == want
         assert_nothing_held(engine)
