@@ -89,9 +89,10 @@ def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout
         else:
             m.retire_above(cap[r])  # replicated ones take it: nothing new above the line
     moves, retire = [], [[] for _ in range(t)]
-    for req, need_total, stored in per_request:
+    for req in running:  # every source reservation comes back first: the check above counted them all
         for r in range(t):
             placement.managers[r].release(req.reserved_per_rank[r])
+    for req, need_total, stored in per_request:
         src_pages = [list(x) for x in req.rank_pages]
         dst_pages = [[NOT_HERE] * req.num_logical_pages for _ in range(t)]
         for p in range(req.num_logical_pages):

@@ -35,6 +35,9 @@ class TokenRoutes:
     """[T] source slots, in the agreed order, of tokens this rank sends to each rank."""
     recv_slots: list[list[int]]
     """[T] destination slots of tokens this rank receives from each rank."""
+    collective: bool = True
+    """Whether any rank moves any token (the same on every rank): then every rank joins the KV
+    all-to-all, even one with nothing to send or receive -- a collective only some ranks enter hangs."""
 
     @property
     def network(self) -> bool:
@@ -46,6 +49,7 @@ def token_routes(moves: list[KVMove], rank: int, world_size: int, page_size: int
     (unique) source holder; all ranks derive the same order from the same moves."""
     send = [[] for _ in range(world_size)]
     recv = [[] for _ in range(world_size)]
+    anyone = False
     for m in moves:
         for p in range(len(m.dst_pages[0])):
             holders = [q for q in range(world_size) if m.src_pages[q][p] != NOT_HERE]
@@ -57,11 +61,12 @@ def token_routes(moves: list[KVMove], rank: int, world_size: int, page_size: int
                     continue  # r does not need it, or keeps it in place
                 # r's own copy when it is being relocated below a shrinking capacity, else the holder
                 q = r if m.src_pages[r][p] != NOT_HERE else holders[0]
+                anyone = True
                 if q == rank:
                     send[r] += [m.src_pages[q][p] * page_size + x % page_size for x in tokens]
                 if r == rank:
                     recv[q] += [m.dst_pages[r][p] * page_size + x % page_size for x in tokens]
-    return TokenRoutes(send, recv)
+    return TokenRoutes(send, recv, anyone)
 
 
 class LayerSwitch:
@@ -170,7 +175,7 @@ class LayerSwitch:
         return kv, (idx.view(-1, idx.shape[-1]) if idx is not None else None)
 
     def _issue_kv(self, i: int):
-        if not self.routes.network:
+        if not self.routes.collective:
             return None
         kv, idx = self._rows(i)
         send_slots = torch.tensor([s for slots in self.routes.send_slots for s in slots], dtype=torch.int64)

@@ -153,3 +153,20 @@ def test_random_workloads_drain_within_budget(reqs, budget, page_size, num_pages
         sched.postprocess(s, torch.full((r,), 7), torch.zeros(r))
     assert all(len(r.output_ids) == r.spec.max_new_tokens for r in admitted)
     assert pm.managers[0].num_free == num_pages and pm.managers[0].num_reserved == 0
+
+
+def test_kv_routes_make_every_rank_join_when_any_rank_moves_tokens():
+    """A page relocated below a shrinking capacity on rank 0 alone is a move: rank 1, with nothing
+    to send or receive, must still join the all-to-all (a collective only rank 0 entered hung)."""
+    from splash_rollout.engine.kv_switch import KVMove
+    from splash_rollout.engine.placement import NOT_HERE
+    from splash_rollout.engine.switcher import token_routes
+
+    move = KVMove(request_id=0, owner=0, num_tokens=20, src_pages=[[0, 40], [NOT_HERE, NOT_HERE]],
+                  dst_pages=[[0, 3], [NOT_HERE, NOT_HERE]])
+    r0, r1 = (token_routes([move], rank, 2, 16) for rank in (0, 1))
+    assert r0.network and not r1.network  # only rank 0 copies its page 40 -> 3
+    assert r0.collective and r1.collective
+    assert r0.send_slots[0] == [40 * 16 + x for x in range(4)] and r0.recv_slots[0] == [3 * 16 + x for x in range(4)]
+    still = KVMove(0, 0, 20, [[0, 1], [NOT_HERE, NOT_HERE]], [[0, 1], [NOT_HERE, NOT_HERE]])
+    assert not token_routes([still], 1, 2, 16).collective  # nothing moves anywhere: no collective
