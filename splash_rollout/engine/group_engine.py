@@ -343,21 +343,25 @@ class GroupEngine:
         """Rank 0, layout="auto": ask π for the next layout; a switch it chooses becomes pending."""
         from splash_rollout.scheduling.cost_model import StepBatch
 
-        running = list(self.scheduler.running) or list(self.scheduler.waiting)[: self.scheduler.max_num_seqs]
-        if not running or self.pending_switch is not None:
+        from splash_rollout.scheduling.policy import Waiting
+
+        running = list(self.scheduler.running)
+        queued = list(self.scheduler.waiting)[: self.scheduler.max_num_seqs]
+        if not (running or queued) or self.pending_switch is not None:
             return
         budget = self.scheduler.max_num_batched_tokens
-        rows = [max(1, min(r.num_uncomputed_tokens, budget)) if r.in_prefill or not r.num_computed_tokens else 1
-                for r in running]
+        rows = [max(1, min(r.num_uncomputed_tokens, budget)) if r.in_prefill else 1 for r in running]
         batch = StepBatch.make([r.num_computed_tokens + q for r, q in zip(running, rows)], rows,
-                               [r.owner if self.scheduler.running else i % self.world_size
-                                for i, r in enumerate(running)])
-        remaining = [r.spec.max_new_tokens - r.num_output_tokens for r in running]
+                               [r.owner for r in running])
+        waiting = Waiting.make([r.num_uncomputed_tokens for r in queued], [r.max_total_tokens for r in queued],
+                               budget, self.scheduler.max_num_seqs)
+        remaining = [r.spec.max_new_tokens - r.num_output_tokens for r in running + queued]
         first = not self.decision_log
         decision = self.policy.decide(None if first else self.layout, batch, remaining, self.steps_in_layout,
-                                      [r.max_total_tokens for r in running])
+                                      [r.max_total_tokens for r in running], waiting)
         if first or decision.switch:
-            self.decision_log.append(dict(decision.to_dict(), step=self.num_steps, batch_size=len(running)))
+            self.decision_log.append(dict(decision.to_dict(), step=self.num_steps, batch_size=len(running),
+                                            waiting=len(self.scheduler.waiting)))
         if decision.chosen is not self.layout and (first or decision.switch):
             self.pending_switch = (decision.chosen, False)
 

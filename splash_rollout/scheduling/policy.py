@@ -12,6 +12,12 @@ Rules, in order:
    ``lead × horizon > overlapped switch cost + abs_margin_s``, where the horizon is a quantile of the
    remaining max_new_tokens of the running requests (decode steps left).
 
+Capacity counts when it changes admission (paper §5.3): with the requests queued behind the batch
+(``Waiting``), each layout is priced on the batch *it* would run -- the running requests plus the
+queued ones its pool admits, FIFO, within the step's token budget -- and layouts compare by seconds
+per token processed, not per step. A layout whose larger pool admits more of the queue can lead
+while the queue lasts, and lose the lead to a faster one once the batch drains.
+
 Every call returns a ``Decision`` record the engine stores in its timeline.
 """
 from __future__ import annotations
@@ -61,13 +67,18 @@ class Decision:
     """Predicted exposed (overlapped) cost of the switch to ``chosen`` (0 when not switching)."""
     blocking_cost_s: float = 0.0
     horizon_steps: float = 0.0
+    admitted: dict[str, int] = field(default_factory=dict)
+    """Queued requests each layout's pool would admit this step (capacity that changes admission)."""
+    seconds_per_token: dict[str, float] = field(default_factory=dict)
+    """Predicted seconds per processed token (query row) of the step each layout would run."""
 
     def to_dict(self) -> dict:
         return {"current": None if self.current is None else self.current.value, "chosen": self.chosen.value,
                 "switch": self.switch, "reason": self.reason,
                 "step_costs": {k: (None if math.isinf(v) else v) for k, v in self.step_costs.items()},
                 "switch_cost_s": self.switch_cost_s, "blocking_cost_s": self.blocking_cost_s,
-                "horizon_steps": self.horizon_steps}
+                "horizon_steps": self.horizon_steps, "admitted": dict(self.admitted),
+                "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in self.seconds_per_token.items()}}
 
 
 def choose_owner(projected_tokens_per_rank, new_request_tokens: int = 0) -> int:
@@ -78,6 +89,62 @@ def choose_owner(projected_tokens_per_rank, new_request_tokens: int = 0) -> int:
     if projected.ndim != 1 or projected.size == 0:
         raise ValueError("projected_tokens_per_rank: expected a non-empty 1-D array")
     return int(np.argmin(projected + int(new_request_tokens)))
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Requests queued behind the running batch, in admission (FIFO) order."""
+
+    prompt: np.ndarray
+    """[W] int64: tokens each would prefill (its prompt)."""
+    reserved: np.ndarray
+    """[W] int64: tokens each may reach (prompt + max_new_tokens), what admission reserves."""
+    token_budget: int
+    """Query rows one step may run (decode rows and prefill chunks together)."""
+    max_seqs: int
+    """Most requests running at once."""
+
+    @classmethod
+    def make(cls, prompt, reserved, token_budget: int, max_seqs: int) -> "Waiting":
+        p = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        r = np.asarray(reserved, dtype=np.int64).reshape(-1)
+        if p.shape != r.shape:
+            raise ValueError(f"reserved: expected one value per waiting request ({p.size}), got {r.size}")
+        return cls(p, r, int(token_budget), int(max_seqs))
+
+
+def admit(layout: Layout, batch: StepBatch, hold: np.ndarray, waiting: Waiting | None, pool_tokens: int,
+          world_size: int, page_size: int = 1) -> tuple[StepBatch, np.ndarray, int]:
+    """The step ``layout`` would run: ``batch`` plus the head of ``waiting`` its pool admits (FIFO,
+    reservations rounded up to whole pages, owners by least projected KV, a prefill chunk each within
+    the token budget). Returns (step batch, reserved tokens per request, requests admitted)."""
+    if waiting is None or waiting.prompt.size == 0:
+        return batch, hold, 0
+    ctx, rows, owners, reserved = list(batch.context), list(batch.query_rows), list(batch.owners), list(hold)
+    budget = waiting.token_budget - int(batch.query_rows.sum())
+    projected = np.bincount(np.asarray(owners, dtype=np.int64), weights=np.asarray(reserved, dtype=np.float64),
+                            minlength=world_size)[:world_size] if owners else np.zeros(world_size)
+    added = 0
+    for prompt, res in zip(waiting.prompt, waiting.reserved):
+        if budget <= 0 or len(ctx) >= waiting.max_seqs:
+            break
+        res = int(-(-int(res) // page_size) * page_size)
+        owner = choose_owner(projected)
+        if not fits(layout, np.asarray(reserved + [res], dtype=np.int64), pool_tokens, world_size,
+                    np.asarray(owners + [owner], dtype=np.int64)):
+            break  # FIFO: the head waits, and so does everything behind it
+        chunk = min(int(prompt), budget)
+        ctx.append(chunk)
+        rows.append(chunk)
+        owners.append(owner)
+        reserved.append(res)
+        projected[owner] += res
+        budget -= chunk
+        added += 1
+    if not added:
+        return batch, hold, 0
+    grown = StepBatch.make(ctx, rows, owners, None if batch.sampling_rows is None else batch.sampling_rows + added)
+    return grown, np.asarray(reserved, dtype=np.int64), added
 
 
 class LayoutPolicy:
@@ -91,14 +158,24 @@ class LayoutPolicy:
     def costs(self, batch: StepBatch, reserved: np.ndarray | None = None) -> dict[Layout, StepCost]:
         """Step cost per layout; a layout whose pools cannot hold ``reserved`` (default: the live
         context) gets inf."""
+        return {l: c for l, (c, _, _) in self.admitted_costs(batch, reserved).items()}
+
+    def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None
+                       ) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
+        """Per layout: (cost of the step it would run, that step's batch, queued requests it admits).
+        A layout whose pool cannot hold ``reserved`` (default: the live context) costs inf."""
         d = self.dep
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
         out = {}
         for l in self.config.layouts:
-            if not fits(l, hold, d.pools.get(l, 0), d.world_size, batch.owners):
-                out[l] = StepCost(l, math.inf, feasible=False, reason=f"{l.value}: reserved KV does not fit")
-            else:
-                out[l] = step_time(l, batch, d.model, d.profile, d.sizes)
+            pool = d.pools.get(l, 0)
+            if not fits(l, hold, pool, d.world_size, batch.owners):
+                out[l] = (StepCost(l, math.inf, feasible=False, reason=f"{l.value}: reserved KV does not fit"), batch, 0)
+                continue
+            step, _, added = admit(l, batch, hold, waiting, pool, d.world_size, d.page_size)
+            cost = step_time(l, step, d.model, d.profile, d.sizes) if step.size else StepCost(l, math.inf, feasible=False,
+                                                                                          reason=f"{l.value}: admits nothing")
+            out[l] = (cost, step, added)
         return out
 
     def switch_cost(self, src: Layout, dst: Layout, batch: StepBatch, dst_cost: StepCost) -> SwitchCost:
@@ -116,29 +193,40 @@ class LayoutPolicy:
         return fits(dst, hold, d.pools.get(dst, 0) - extra, d.world_size, owners)
 
     def decide(self, current: Layout | None, batch: StepBatch, remaining_tokens, steps_in_layout: int = 0,
-               reserved=None) -> Decision:
+               reserved=None, waiting: Waiting | None = None) -> Decision:
         """Next layout for ``batch``. ``remaining_tokens``: [B] max_new_tokens left per request;
-        ``reserved``: [B] tokens each request may reach (prompt + max_new_tokens) for the fit check."""
+        ``reserved``: [B] tokens each request may reach (prompt + max_new_tokens) for the fit check;
+        ``waiting``: the queue behind the batch (each layout is priced on what its pool admits)."""
         cfg = self.config
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
-        costs = self.costs(batch, hold)
+        priced = self.admitted_costs(batch, hold, waiting)
+        costs = {l: c for l, (c, _, _) in priced.items()}
+        rows = {l: max(1, st.rows) for l, (_, st, _) in priced.items()}
+        feasible = [l for l, c in costs.items() if c.feasible]
+        # compare layouts on the same amount of work: seconds for the reference step's rows
+        ref_rows = rows[current] if current in feasible else max((rows[l] for l in feasible), default=1)
+        eff = {l: c.seconds * ref_rows / rows[l] for l, c in costs.items()}
         secs = {l.value: c.seconds for l, c in costs.items()}
-        order = sorted((c.seconds, i, l) for i, (l, c) in enumerate(costs.items()) if c.feasible)
+        extra = {"admitted": {l.value: a for l, (_, _, a) in priced.items()},
+                 "seconds_per_token": {l.value: c.seconds / rows[l] for l, c in costs.items()}}
+        order = sorted((eff[l], i, l) for i, l in enumerate(costs) if costs[l].feasible)
         rem = np.asarray(remaining_tokens, dtype=np.float64)
         horizon = float(np.quantile(rem, cfg.horizon_quantile)) if rem.size else 0.0
         if not order:
             keep = current if current is not None else cfg.layouts[0]
-            return Decision(current, keep, False, "no layout holds the batch; keep", secs, horizon_steps=horizon)
+            return Decision(current, keep, False, "no layout holds the batch; keep", secs, horizon_steps=horizon,
+                            **extra)
         fastest = order[0][2]
         if current is None:
-            return Decision(None, fastest, False, f"initial: {fastest.value} is fastest", secs, horizon_steps=horizon)
-        cur = costs.get(current)
-        cur_ok = cur is not None and cur.feasible
+            return Decision(None, fastest, False, f"initial: {fastest.value} is fastest", secs, horizon_steps=horizon,
+                            **extra)
+        cur_ok = current in feasible
+        cur_eff = eff.get(current, math.inf)
         if cur_ok and fastest is current:
-            return Decision(current, current, False, "current is fastest", secs, horizon_steps=horizon)
+            return Decision(current, current, False, "current is fastest", secs, horizon_steps=horizon, **extra)
         if cur_ok and steps_in_layout < cfg.min_dwell_steps:
             return Decision(current, current, False, f"dwell {steps_in_layout}/{cfg.min_dwell_steps} steps", secs,
-                            horizon_steps=horizon)
+                            horizon_steps=horizon, **extra)
         reasons = []
         for seconds, _, cand in order:
             if cand is current:
@@ -149,17 +237,19 @@ class LayoutPolicy:
                 continue
             if not cur_ok:
                 return Decision(current, cand, True, f"{current.value} cannot hold the batch; forced to {cand.value}",
-                                secs, sc.overlapped_s, sc.blocking_s, horizon)
-            lead = cur.seconds - seconds
-            if seconds > cur.seconds * (1.0 - cfg.rel_margin):
-                reasons.append(f"{cand.value} leads by {lead / cur.seconds:.1%} < {cfg.rel_margin:.0%}")
+                                secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
+            lead = cur_eff - seconds
+            if seconds > cur_eff * (1.0 - cfg.rel_margin):
+                reasons.append(f"{cand.value} leads by {lead / cur_eff:.1%} < {cfg.rel_margin:.0%}")
                 break
             gain = lead * horizon
             if gain <= sc.overlapped_s + cfg.abs_margin_s:
                 reasons.append(f"{cand.value} saves {gain * 1e3:.2f} ms over {horizon:.0f} steps <= switch "
                                f"{sc.overlapped_s * 1e3:.2f} ms + margin")
                 continue
-            return Decision(current, cand, True, f"{cand.value} saves {gain * 1e3:.1f} ms over {horizon:.0f} steps "
-                            f"> switch {sc.overlapped_s * 1e3:.2f} ms", secs, sc.overlapped_s, sc.blocking_s, horizon)
+            why = f"{cand.value} saves {gain * 1e3:.1f} ms over {horizon:.0f} steps > switch {sc.overlapped_s * 1e3:.2f} ms"
+            if priced[cand][2] != priced[current][2]:
+                why += f" (admits {priced[cand][2]} queued vs {priced[current][2]})"
+            return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
         keep_reason = "; ".join(reasons) or "no better layout"
-        return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon)
+        return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon, **extra)

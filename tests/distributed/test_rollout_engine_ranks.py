@@ -93,19 +93,26 @@ def test_update_weights_slices_into_every_layout_and_rejects_bad_pushes():
 
 
 def test_auto_layout_follows_a_draining_batch_and_records_why():
-    prompts = [[5 + i] * (8 + 3 * i) for i in range(16)] + [[9] * 200, [11] * 150]
-    params = ([SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)] * 16
-              + [SamplingParams(temperature=0, max_new_tokens=120, ignore_eos=True)] * 2)
-    with RolloutEngine(EngineConfig(model="glm5-nano", page_size=8, max_num_batched_tokens=256)) as one:
+    """Under a tight memory budget (2.5 MiB per rank) DOP's pools admit more of a wide queue than
+    DP-attention's; with the calibrated CPU profile the policy moves into DOP while the queue lasts
+    and out of it once two long requests are left -- and the outputs equal one rank's."""
+    prompts = [[5 + i % 50] * (16 + (7 * i) % 24) for i in range(24)] + [[9] * 60, [11] * 50]
+    params = ([SamplingParams(temperature=0, max_new_tokens=8 + (5 * i) % 16, ignore_eos=True) for i in range(24)]
+              + [SamplingParams(temperature=0, max_new_tokens=160, ignore_eos=True)] * 2)
+    with RolloutEngine(EngineConfig(model="glm5-nano", page_size=16, max_num_batched_tokens=512)) as one:
         want = [s.response_ids for s in one.generate(prompts, params).samples]
-    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", page_size=8, max_num_batched_tokens=256,
-                       memory_budget_gib=0.01)
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile="cpu", page_size=16,
+                       max_num_batched_tokens=512, memory_budget_gib=2.5 / 1024)
     with RolloutEngine(cfg) as engine:
         batch = engine.generate(prompts, params)
     assert [s.response_ids for s in batch.samples] == want
     t = batch.timeline.to_dict()
     first, *later = t["decisions"]
     assert first["step"] == 0 and set(first["step_costs"]) == {"tp", "cp", "dp", "dop"}
+    assert t["phases"][0]["layout"] == first["chosen"]
     assert later and all(d["switch"] for d in later)  # the policy moved as the batch drained
-    assert t["phases"][0]["layout"] == first["chosen"] and len(t["phases"]) >= 2
+    into_dop = [d for d in later if d["chosen"] == "dop"]
+    assert into_dop and "admits" in into_dop[0]["reason"]  # capacity that changes admission
+    assert into_dop[0]["admitted"]["dop"] > into_dop[0]["admitted"]["dp"]
+    assert t["phases"][-1]["layout"] != "dop" and t["phases"][-1]["batch_size_start"] <= 2  # the drained tail
     assert all(s["deferred_reason"] is None for s in t["switches"])

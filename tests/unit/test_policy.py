@@ -85,3 +85,57 @@ def test_choose_owner_least_projected_ties_low():
     assert choose_owner([0, 0], 7) == 0
     with pytest.raises(ValueError):
         choose_owner([], 1)
+
+
+def _capacity_policy():
+    """glm5-nano on 2 ranks at 2.5 MiB per rank: DOP's sharded projections leave it twice DP's KV
+    pool; priced with a torch_ref-style profile where DP runs a given batch faster than DOP."""
+    import torch
+
+    from splash_rollout.rollout.config import EngineConfig
+    from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.scheduling.profile import load_profile
+
+    profile = load_profile("cpu").replace(engine="torch_ref", request_layer_s=3e-4, score_element_s=3e-9)
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile=profile, page_size=16,
+                       memory_budget_gib=2.5 / 1024, max_num_batched_tokens=512)
+    return make_policy(cfg, resolve_model("glm5-nano"), 2, int(2.5 * 2**20), torch.float32)
+
+
+def test_capacity_that_changes_admission_leads_then_yields_as_the_batch_drains():
+    from splash_rollout.scheduling.policy import Waiting
+
+    pol = _capacity_policy()
+    pools = pol.dep.pools
+    assert pools[Layout.DOP] > pools[Layout.DP]
+    # a wide queue: 24 requests of 32 + 96 tokens; DP's pools admit fewer of them than DOP's
+    empty = StepBatch.make([], [], [])
+    waiting = Waiting.make([32] * 24, [128] * 24, token_budget=512, max_seqs=64)
+    d = pol.decide(None, empty, np.full(24, 96), waiting=waiting)
+    assert d.admitted["dop"] > d.admitted["dp"] and d.chosen is Layout.DOP
+    assert d.step_costs["dp"] < d.step_costs["dop"]  # DP's (smaller) step is shorter ...
+    assert d.seconds_per_token["dop"] < d.seconds_per_token["dp"]  # ... but DOP does more per second
+    # drained: two long requests left, nothing queued; the same batch runs faster in DP
+    tail = StepBatch.make([200, 180], [1, 1], [0, 1])
+    d = pol.decide(Layout.DOP, tail, np.full(2, 150), steps_in_layout=100, reserved=[210, 190],
+                   waiting=Waiting.make([], [], 512, 64))
+    assert d.switch and d.chosen is Layout.DP, d.reason
+    # while the queue lasts, DOP is kept
+    running = StepBatch.make([40] * 8, [1] * 8, np.arange(8) % 2)
+    d = pol.decide(Layout.DOP, running, np.full(8, 80), steps_in_layout=100, reserved=[128] * 8,
+                   waiting=Waiting.make([32] * 16, [128] * 16, 512, 64))
+    assert not d.switch and d.chosen is Layout.DOP, d.reason
+
+
+def test_admit_is_fifo_and_respects_the_pool_and_the_token_budget():
+    from splash_rollout.scheduling.policy import Waiting, admit
+
+    empty = StepBatch.make([], [], [])
+    # pool of 256 tokens per rank, DP: owners alternate; the third 200-token request does not fit
+    step, hold, added = admit(Layout.DP, empty, np.zeros(0, np.int64),
+                              Waiting.make([50, 50, 50, 10], [200, 200, 200, 10], 1000, 64), 256, 2)
+    assert added == 2 and list(step.owners) == [0, 1] and list(hold) == [200, 200]  # FIFO: the head blocks the 4th
+    step, _, added = admit(Layout.TP, empty, np.zeros(0, np.int64), Waiting.make([300, 300], [400, 400], 350, 64),
+                           10_000, 2)
+    assert added == 2 and list(step.query_rows) == [300, 50]  # the second gets the budget's remainder
