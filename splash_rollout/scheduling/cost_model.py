@@ -237,12 +237,14 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
             if k.topk else s_here
         gathered = (s_here >= REF_SPARSE_MIN_KEYS) & (4 * widest <= s_here)
         att_pairs = q * np.where(gathered, widest, s_here)  # [B] keys scored per head, on one rank
+        att_gather = np.where(gathered, att_pairs, 0.0) * (k.kv_lora + k.qk_rope)  # [B] elements copied, all heads
         idx_pairs = (q * s_here).astype(np.float64) if k.topk else np.zeros(s.shape)
         select = (q * s).astype(np.float64) if k.topk else np.zeros(s.shape)  # every rank selects from all
     else:
         att_pairs = _pairs(start, q, k.topk)  # [B] (row, token) pairs attended, per head
         idx_pairs = _pairs(start, q, 0) if k.topk else np.zeros_like(att_pairs)
         select = np.zeros(s.shape)
+        att_gather = np.zeros(s.shape)
     if ref:  # the reference backend gathers the whole history it holds, then selects
         kv_read = np.where(active, s_here, 0).astype(np.float64)
     else:
@@ -255,6 +257,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         att_load = float(_per_rank(own, att_pairs, t).max())
         idx_load = float(_per_rank(own, idx_pairs, t).max())
         sel_load = float(_per_rank(own, select, t).max())
+        gather_load = float(_per_rank(own, att_gather, t).max())
         kv_load = float(_per_rank(own, kv_read, t).max())
         idxr_load = float(_per_rank(own, idx_read, t).max())
         busy_requests = float(_per_rank(own, active.astype(np.float64), t).max())
@@ -263,6 +266,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         div = t if cp and not ref else 1  # the reference attention loads are per rank already
         att_load, idx_load = att_pairs.sum() / div, idx_pairs.sum() / div
         sel_load = float(select.sum())
+        gather_load = float(att_gather.sum())
         kv_load = kv_read.sum() / (t if cp and not ref else 1)
         idxr_load = idx_read.sum() / (t if cp else 1)
         busy_requests = float(active.sum())
@@ -325,7 +329,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         moe = 0.0
     dense = _roof(n * k.f_dense / t, mf, k.dense_bytes / t, p.weight_read_Bps)
     per_request = busy_requests * p.request_layer_s
-    att_elements = att_load * att_heads * p.score_element_s
+    att_elements = (att_load * att_heads + gather_load) * p.score_element_s
     idx_elements = (idx_load * model.index_n_heads + sel_load) * p.score_element_s
     best = None
     for variant, in_rows, proj_flops, comm, comm_idx in variants:

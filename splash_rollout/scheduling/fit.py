@@ -9,8 +9,9 @@ constants of ``cost_model.step_time`` to those measurements here.
 
 The fit minimises the robust (soft-L1) sum of log(predicted / measured) over every measured step,
 so a 10 ms step and a 10 s step weigh the same; every constant stays positive (it is fitted in log
-space). Memory bandwidths keep their microbenchmark values: the CPU engine's weights and KV stay
-in cache, so steps carry no information about them.
+space). Rates and memory bandwidths keep their microbenchmark values: fitted too, they trade off
+against the elementwise and per-request terms and drift to unphysical values (a 386 TFLOP/s
+"GEMM rate" on two CPU cores) for no gain on held-out points.
 
 A measured point (the ``bench layouts`` record): ``{"layout", "batch", "context", "prefill_ms",
 "decode_ms"}``; a prefill step runs ``batch`` prompts of ``context`` tokens whole, a decode step
@@ -32,7 +33,7 @@ from splash_rollout.scheduling.profile import COLLECTIVES, CollectiveCost, Hardw
 DECODE_OFFSET = 4
 """History of a measured decode step beyond the prompt (the median of ``bench layouts``' steps)."""
 
-RATES = ("matmul_flops", "attention_flops")
+RATES: tuple[str, ...] = ()
 FIXED = ("step_overhead_s", "layer_overhead_s", "request_layer_s", "request_step_s", "score_element_s",
          "expert_call_s")
 FITTED = RATES + FIXED + tuple(f"{c}.{part}" for c in COLLECTIVES for part in ("latency_s", "bandwidth_Bps"))

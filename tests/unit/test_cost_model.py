@@ -203,12 +203,15 @@ def test_torch_ref_engine_prices_the_dense_rectangle_and_the_replicated_cp():
     assert att(1024) == pytest.approx(att(2048))  # gathered: top-k keys whatever the history
     cp = step_time("cp", StepBatch.make([512, 512], [512, 512], [0, 1]), cfg, prof, sizes)
     assert cp.variant == "replicated"
-    assert step_time("cp", StepBatch.make([512, 512], [512, 512], [0, 1]), cfg, load_profile("cpu"), sizes).variant \
-        in ("pass-q", "pass-kv")
+    ideal = load_profile("cpu").replace(engine="ideal")
+    assert step_time("cp", StepBatch.make([512, 512], [512, 512], [0, 1]), cfg, ideal, sizes).variant in ("pass-q", "pass-kv")
 
 
 def test_fit_recovers_the_constants_it_was_given():
-    """Points priced by a known θ (torch_ref engine, overheads set) are fitted back to within a few %."""
+    from splash_rollout.scheduling.profile import CollectiveCost
+
+    """Points priced by a known θ (torch_ref engine, overheads set) are fitted back to within a few %
+    from a start that has the fitted constants wrong."""
     from splash_rollout.engine.group_engine import sizes_for
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.fit import fit_profile, predict_point
@@ -223,7 +226,8 @@ def test_fit_recovers_the_constants_it_was_given():
             for s in (32, 256, 1024):
                 pre, dec = predict_point({"layout": layout, "batch": b, "context": s}, cfg, truth, sizes)
                 points.append({"layout": layout, "batch": b, "context": s, "prefill_ms": pre, "decode_ms": dec})
-    start = load_profile("cpu").replace(matmul_flops=1e10, step_overhead_s=1e-4)
+    start = truth.replace(request_layer_s=1e-5, request_step_s=1e-5, score_element_s=1e-10, step_overhead_s=1e-4,
+                          all_reduce=CollectiveCost(1e-5, 1e8))  # rates stay: the fit keeps them
     fitted, report = fit_profile(points, cfg, sizes, start)
     assert report["median_abs_error"] < 0.02
     assert fitted.engine == "torch_ref"
