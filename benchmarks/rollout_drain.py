@@ -41,6 +41,12 @@ FIXED = ("tp", "cp", "dp", "dop")
 SYSTEMS = FIXED + ("auto", "transformers")
 FULL = dict(num_prompts=64, n=4, short_prompt=(16, 128), long_prompt=(384, 768), long_fraction=0.125,
             response_mu=float(np.log(48.0)), response_sigma=1.0, min_response=8, max_response=512)
+# capacity-bound: a wide queue of short requests and a long tail under a budget (2.5 MiB per rank)
+# where DOP's pools admit about twice DP-attention's -- the regime where the layout should follow the
+# batch (DOP while the queue lasts, a faster layout once it has drained)
+CAPACITY = dict(num_prompts=32, n=1, short_prompt=(16, 40), long_prompt=(50, 64), long_fraction=0.0625,
+                response_mu=float(np.log(14.0)), response_sigma=0.6, min_response=8, max_response=160)
+CAPACITY_BUDGET_GIB = 2.5 / 1024
 QUICK = dict(num_prompts=6, n=2, short_prompt=(8, 32), long_prompt=(96, 160), long_fraction=0.34,
              response_mu=float(np.log(8.0)), response_sigma=0.8, min_response=2, max_response=24)
 
@@ -181,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, help="override the workload's prompt count")
     ap.add_argument("--n", type=int, help="override samples per prompt")
     ap.add_argument("--max-response", type=int, help="override the longest response")
-    ap.add_argument("--memory-budget-gib", type=float, default=0.25, help="KV + attention weights per rank")
+    ap.add_argument("--workload", choices=("default", "capacity"), default="default",
+                    help="default: 64 prompts x 4, no memory pressure; capacity: 32 requests under 2.5 MiB per rank")
+    ap.add_argument("--memory-budget-gib", type=float, help="KV + attention weights per rank (default: the workload's)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--profile", default="cpu", help="hardware profile auto prices layouts with")
@@ -196,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # the engine's CPU default; same for the peer
 
-    params = dict(QUICK if args.quick else FULL)
+    params = dict(QUICK if args.quick else CAPACITY if args.workload == "capacity" else FULL)
+    if args.memory_budget_gib is None:
+        args.memory_budget_gib = CAPACITY_BUDGET_GIB if args.workload == "capacity" else 0.25
     for key, val in (("num_prompts", args.num_prompts), ("n", args.n), ("max_response", args.max_response)):
         if val is not None:
             params[key] = val
@@ -204,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                          vocab_size=resolve_model(args.model).vocab_size, seed=args.seed)
     runs: dict[str, dict] = {}
     for name in systems:
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
         runs[name] = run_transformers(work, args) if name == "transformers" else run_engine(name, work, args)
+        runs[name]["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
         print(f"  {name:>12}: {runs[name]['tokens_per_s']:8.1f} tokens/s  ({runs[name]['wall_s']:.1f} s timed, "
               f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
     tps = {k: v["tokens_per_s"] for k, v in runs.items()}

@@ -153,6 +153,7 @@ class RolloutEngine:
         lens = [len(r.output_ids) for r in requests]
         metrics = {"rollout/response_len/mean": float(np.mean(lens)), "rollout/response_len/max": float(max(lens)),
                    "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(steps),
+                   "perf/max_running": float(max_batch),
                    "timing_s/generate": elapsed}
         metrics.update(layout_metrics(timeline))
         return RolloutBatch(out, timeline, metrics)
