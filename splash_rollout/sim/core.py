@@ -21,6 +21,7 @@ import numpy as np
 
 from splash_rollout.layout import Layout, fits
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, choose_owner, step_time
+from splash_rollout.scheduling.policy import Waiting
 
 ADAPTIVE = "adaptive"
 
@@ -152,14 +153,17 @@ def simulate(work: Workload, dep: Deployment, mode: Layout | str, cfg: SimConfig
         batch = StepBatch.make(ctx, q, owner[run],
                                sampling_rows=int((~pre | (q == left)).sum()))
         if adaptive:
-            d = policy.decide(layout, batch, work.max_new[run] - generated[run], in_layout, reserve[run])
+            queued = slice(nxt, min(n_req, nxt + max(cfg.max_running - run.size, 0)))
+            waiting = Waiting.make(work.prompt[queued], reserve[queued], cfg.chunk_tokens, cfg.max_running)
+            d = policy.decide(layout, batch, work.max_new[run] - generated[run], in_layout, reserve[run], waiting)
             if d.switch:
                 now += d.switch_cost_s
                 switches.append({"t": now, "step": steps, "src": layout.value, "dst": d.chosen.value,
                                  "exposed_s": d.switch_cost_s, "blocking_s": d.blocking_cost_s,
                                  "batch": int(run.size), "reason": d.reason})
                 layout, in_layout = d.chosen, 0
-            sec = d.step_costs[layout.value]
+            # the running batch (the chosen layout's pool admits the queue from the next step on)
+            sec = step_time(layout, batch, dep.model, dep.profile, dep.sizes).seconds
         else:
             sec = step_time(layout, batch, dep.model, dep.profile, dep.sizes).seconds
         if not timeline or timeline[-1]["layout"] != layout.value:
