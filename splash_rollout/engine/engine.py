@@ -18,7 +18,7 @@ from splash_rollout.engine.projections import slice_projections
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.sampler import sample
 from splash_rollout.engine.scheduler import Scheduler, ScheduledSeq
-from splash_rollout.engine.sleep import TensorOffload, process_rss_bytes, storage_bytes, weight_tensors
+from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import ModelConfig
 
@@ -91,21 +91,16 @@ class Engine:
             raise RuntimeError("sleep: the engine is already asleep")
         if self.scheduler.has_unfinished:
             raise RuntimeError("sleep: requests are still queued or running; abort them or let them finish first")
-        self.pool.release()
-        offload = TensorOffload(weight_tensors(self.model, self.shards))
-        offload.release()
-        self._offload = offload
+        self._offload = release_memory(self.pool, self.model, self.shards)
 
     def wake_up(self) -> None:
         if not self.asleep:
             raise RuntimeError("wake_up: the engine is not asleep")
-        self._offload.restore()
+        restore_memory(self._offload, self.pool)
         self._offload = None
-        self.pool.restore()
 
     def memory_stats(self) -> dict[str, int | None]:
         """Measured bytes: ``tracked_bytes`` (= the KV pool plus the projection weights),
         ``kv_pool``, ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
         shards = 0 if self.asleep else sum(x.nbytes for x in self.shards)
-        return {"tracked_bytes": shards + self.pool.nbytes, "kv_pool": self.pool.nbytes,
-                "weights": storage_bytes(weight_tensors(self.model, self.shards)), "rss": process_rss_bytes()}
+        return memory_stats(self.pool, self.model, self.shards, shards + self.pool.nbytes)

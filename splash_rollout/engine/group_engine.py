@@ -36,7 +36,7 @@ from splash_rollout.engine.projections import ProjectionShard, drop_full_project
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.sampler import sample
 from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
-from splash_rollout.engine.sleep import TensorOffload, process_rss_bytes, storage_bytes, weight_tensors
+from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
 from splash_rollout.layout.bytes import AttentionBytes
 from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
@@ -417,24 +417,19 @@ class GroupEngine:
         busy = self.scheduler.has_unfinished if self.rank == 0 else None
         if self.control.broadcast_object(busy):
             raise RuntimeError("sleep: requests are still queued or running; abort them or let them finish first")
-        self.state.pool.release()
-        offload = TensorOffload(weight_tensors(self.model, self.state.shards))
-        offload.release()
-        self._offload = offload
+        self._offload = release_memory(self.state.pool, self.model, self.state.shards)
 
     def wake_up(self) -> None:
         """This rank: the weights back bit for bit and a zeroed KV pool of the size it had."""
         if not self.asleep:
             raise RuntimeError("wake_up: the engine is not asleep")
-        self._offload.restore()
+        restore_memory(self._offload, self.state.pool)
         self._offload = None
-        self.state.pool.restore()
 
     def memory_stats(self) -> dict[str, int | None]:
         """This rank's bytes, measured: ``tracked_bytes`` (projection shards + KV pool), ``kv_pool``,
         ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
-        return {"tracked_bytes": self.tracked_bytes(), "kv_pool": self.state.pool.nbytes,
-                "weights": storage_bytes(weight_tensors(self.model, self.state.shards)), "rss": process_rss_bytes()}
+        return memory_stats(self.state.pool, self.model, self.state.shards, self.tracked_bytes())
 
     # ---- accounting ----------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:

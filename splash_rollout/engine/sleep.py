@@ -141,3 +141,25 @@ def weight_tensors(model: torch.nn.Module, shards: Iterable) -> list[torch.Tenso
     for shard in shards:
         out.extend(shard.tensors().values())
     return out
+
+
+def release_memory(pool, model: torch.nn.Module, shards: Iterable) -> TensorOffload:
+    """Sleep, on one rank: free the KV pool's tensors and move every weight storage out; returns the
+    offload ``restore_memory`` brings back."""
+    pool.release()
+    offload = TensorOffload(weight_tensors(model, shards))
+    offload.release()
+    return offload
+
+
+def restore_memory(offload: TensorOffload, pool) -> None:
+    """Wake, on one rank: the weights back bit for bit and a zeroed KV pool of the size it had."""
+    offload.restore()
+    pool.restore()
+
+
+def memory_stats(pool, model: torch.nn.Module, shards: Iterable, tracked_bytes: int) -> dict[str, int | None]:
+    """Measured bytes of one rank: ``tracked_bytes`` (projection shards + KV pool, as given),
+    ``kv_pool``, ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
+    return {"tracked_bytes": tracked_bytes, "kv_pool": pool.nbytes,
+            "weights": storage_bytes(weight_tensors(model, shards)), "rss": process_rss_bytes()}
