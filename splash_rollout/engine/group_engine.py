@@ -181,6 +181,7 @@ class GroupEngine:
         if rank == 0:
             placement = KVPlacement([num_pages] * t, page_size, layout)
             self.scheduler: Scheduler | None = Scheduler(placement, max_num_batched_tokens, max_num_seqs)
+            self.scheduler.ever_admits = self.can_ever_admit
         else:
             self.scheduler = None
 
@@ -334,6 +335,16 @@ class GroupEngine:
             raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
         validate_update(named, self.full_shapes)
         apply_update(self.model, self.state.shards, named, self.rank, self.world_size)
+
+    def can_ever_admit(self, request: Request) -> bool:
+        """Rank 0: whether ``request`` can ever run here: in the current layout's empty pools or, when
+        the policy chooses layouts (auto) and memory follows the layout, in any layout it may enter
+        (a request only DOP's larger pool holds waits at the queue head until the policy moves)."""
+        placement = self.scheduler.placement
+        if self.policy is None or not self.pages_by_layout:
+            return placement.can_ever_admit(request)
+        return any(placement.can_ever_admit(request, l, [self.pages_by_layout[l]] * self.world_size)
+                   for l in self.policy.config.layouts)
 
     def request_switch(self, dst: Layout | str, blocking: bool = False) -> None:
         """Rank 0: switch to ``dst`` at the next step boundary."""

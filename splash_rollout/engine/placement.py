@@ -64,10 +64,16 @@ class KVPlacement:
     def _need(self, request: Request, owner: int) -> list[int]:
         return pages_on_each_rank(request.pages_needed(self.page_size), self.ownership, owner, self.world_size)
 
-    def can_ever_admit(self, request: Request) -> bool:
-        """Whether the request fits an empty group (else it can never run in this layout)."""
-        need = self._need(request, self.choose_owner(request))
-        return all(n <= m.num_pages for n, m in zip(need, self.managers))
+    def can_ever_admit(self, request: Request, layout: Layout | None = None,
+                       pages_per_rank: list[int] | None = None) -> bool:
+        """Whether the request fits an empty group (else it can never run in this layout); by default
+        in the current layout and pools, or in ``layout`` with ``pages_per_rank`` pages per rank."""
+        if layout is None:
+            need = self._need(request, self.choose_owner(request))
+            return all(n <= m.num_pages for n, m in zip(need, self.managers))
+        pages = pages_per_rank or [m.num_pages for m in self.managers]
+        need = pages_on_each_rank(request.pages_needed(self.page_size), layout.ownership, 0, self.world_size)
+        return all(n <= p for n, p in zip(need, pages))  # owner 0: every rank's pool is alike when empty
 
     def can_admit(self, request: Request) -> bool:
         need = self._need(request, self.choose_owner(request))

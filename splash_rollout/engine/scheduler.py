@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,12 +46,17 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.ever_admits: Callable[[Request], bool] | None = None
+        """Whether a request can ever run; default: in the current layout's empty pools. An engine
+        that may switch layouts (``auto``) accepts what any reachable layout holds."""
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def can_ever_admit(self, request: Request) -> bool:
+        if self.ever_admits is not None:
+            return self.ever_admits(request)
         return self.placement.can_ever_admit(request)
 
     def add(self, request: Request) -> None:

@@ -151,11 +151,10 @@ def worker_request_switch(ctx, dst: str, blocking: bool) -> None:
 
 
 def can_ever_admit(engine: GroupEngine, records: list[RequestRecord]) -> list[bool] | None:
-    """Rank 0: whether each request fits this layout's empty pools; None elsewhere."""
+    """Rank 0: whether each request can ever run (``GroupEngine.can_ever_admit``); None elsewhere."""
     if engine.rank != 0:
         return None
-    placement = engine.scheduler.placement
-    return [placement.can_ever_admit(r.request()) for r in records]
+    return [engine.can_ever_admit(r.request()) for r in records]
 
 
 def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | None:

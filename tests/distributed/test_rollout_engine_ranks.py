@@ -116,3 +116,23 @@ def test_auto_layout_follows_a_draining_batch_and_records_why():
     assert into_dop[0]["admitted"]["dop"] > into_dop[0]["admitted"]["dp"]
     assert t["phases"][-1]["layout"] != "dop" and t["phases"][-1]["batch_size_start"] <= 2  # the drained tail
     assert all(s["deferred_reason"] is None for s in t["switches"])
+
+
+def test_auto_runs_a_request_only_a_sharded_layout_can_hold():
+    """At 2.5 MiB per rank DP-attention's pool holds 368 tokens, TP's and DOP's 768: a 300 + 200
+    token request is refused by a fixed DP engine, while auto accepts it and the policy moves out of
+    DP (its pool admits nothing) before the step that runs it; the tokens equal one rank's."""
+    prompt, params = [[7] * 300], SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+    with RolloutEngine(EngineConfig(model="glm5-nano", page_size=16, max_num_batched_tokens=512)) as one:
+        want = one.generate(prompt, params).samples[0].response_ids
+    small = dict(model="glm5-nano", world_size=2, page_size=16, max_num_batched_tokens=512,
+                 memory_budget_gib=2.5 / 1024)
+    with pytest.raises(ValueError, match="KV pages"):
+        with RolloutEngine(EngineConfig(layout="dp", **small)) as fixed:
+            fixed.generate(prompt, params)
+    with RolloutEngine(EngineConfig(layout="auto", **small)) as engine:
+        batch = engine.generate(prompt, params)
+    assert batch.samples[0].response_ids == want
+    t = batch.timeline.to_dict()
+    assert t["phases"][0]["layout"] in ("tp", "dop") and t["phases"][0]["steps"] > 0
+    assert t["decisions"][0]["admitted"]["dp"] == 0 and t["decisions"][0]["chosen"] in ("tp", "dop")
