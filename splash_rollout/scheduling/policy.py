@@ -155,11 +155,6 @@ class LayoutPolicy:
         self.dep = deployment
         self.config = config
 
-    def costs(self, batch: StepBatch, reserved: np.ndarray | None = None) -> dict[Layout, StepCost]:
-        """Step cost per layout; a layout whose pools cannot hold ``reserved`` (default: the live
-        context) gets inf."""
-        return {l: c for l, (c, _, _) in self.admitted_costs(batch, reserved).items()}
-
     def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None
                        ) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
         """Per layout: (cost of the step it would run, that step's batch, queued requests it admits).
