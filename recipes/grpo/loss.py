@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splash_rollout.models.numerics import acc_dtype
+
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
@@ -44,7 +46,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     logits = logits.to(torch.float32)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logprobs = torch.log_softmax(logits.to(acc_dtype()), dim=-1)  # float64 under reproducible numerics
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
 
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

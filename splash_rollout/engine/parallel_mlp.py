@@ -14,6 +14,7 @@ from torch import nn
 
 from splash_rollout.layout.arith import div_even
 from splash_rollout.models.moe import DenseMLP, MoE, run_experts
+from splash_rollout.models.numerics import linear, round_to
 
 
 class DenseShard(nn.Module):
@@ -27,8 +28,8 @@ class DenseShard(nn.Module):
         self.up = nn.Parameter(mlp.up_proj.weight[a:b].clone(), requires_grad=False)  # [I/T, hidden]
         self.down = nn.Parameter(mlp.down_proj.weight[:, a:b].clone(), requires_grad=False)  # [hidden, I/T]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> partial [N, hidden]
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> partial [N, hidden] (float64 when reproducible)
+        return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down, keep=True)
 
 
 class ExpertShard(nn.Module):
@@ -47,7 +48,7 @@ class ExpertShard(nn.Module):
         out = run_experts(x, idx, weight, self.experts, self.first_expert)
         if self.shared is not None:
             out = out + self.shared(x)
-        return out
+        return out  # partial: x's dtype, or float64 under reproducible numerics
 
 
 class ParallelFeedForward(nn.Module):
@@ -59,7 +60,7 @@ class ParallelFeedForward(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(self.shard(x), tag="step/mlp")
+        return round_to(self.comm.all_reduce(self.shard(x), tag="step/mlp"), x.dtype)
 
 
 def shard_feed_forward(model: nn.Module, rank: int, world_size: int, comm) -> None:

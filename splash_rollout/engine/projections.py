@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from splash_rollout.models.numerics import einsum, linear
 from splash_rollout.models.rope import apply_rope
 
 
@@ -43,10 +43,10 @@ class ProjectionShard:
     def project_q(self, attn, x: torch.Tensor, positions: torch.Tensor):
         """x [N, hidden] -> (q_nope [N,h,nope], q_pe [N,h,rope] roped, q_a [N,q_lora] or None)."""
         if attn.q_lora_rank is None:
-            q_a, q = None, F.linear(x, self.q_b)
+            q_a, q = None, linear(x, self.q_b)
         else:
             q_a = attn.q_a_layernorm(attn.q_a_proj(x))
-            q = F.linear(q_a, self.q_b)
+            q = linear(q_a, self.q_b)
         q = q.view(-1, self.num_heads, attn.nope_dim + attn.rope_dim)
         cos, sin = attn._rotary[0].cos_sin(positions, q.dtype)
         q_pe = apply_rope(q[..., attn.nope_dim:], cos, sin, attn.rope_interleave)
@@ -57,14 +57,15 @@ class ProjectionShard:
 
     def absorb(self, attn, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, h, nope] -> q_nope_abs [N, h, kv_lora] (W_UK absorbed)."""
-        return torch.einsum("nhd,hdr->nhr", q_nope, self._kv_b(attn)[:, : attn.nope_dim, :])
+        return einsum("nhd,hdr->nhr", q_nope, self._kv_b(attn)[:, : attn.nope_dim, :])
 
     def output(self, attn, out_latent: torch.Tensor) -> torch.Tensor:
         """out_latent [N, h, kv_lora] -> [N, hidden]: W_UV then this shard's o_proj columns
-        (a partial sum over heads when the shard is H/T of them)."""
+        (a partial sum over heads when the shard is H/T of them: then it stays in the accumulation
+        dtype, and the caller rounds it after the all-reduce with ``numerics.round_to``)."""
         w_uv = self._kv_b(attn)[:, attn.nope_dim:, :].transpose(1, 2)  # [h, r, v]
-        v = torch.einsum("nhr,hrv->nhv", out_latent, w_uv)
-        return F.linear(v.reshape(v.shape[0], -1), self.o)
+        v = einsum("nhr,hrv->nhv", out_latent, w_uv)
+        return linear(v.reshape(v.shape[0], -1), self.o, keep=self.num_heads < attn.num_heads)
 
 
 def slice_projections(attn, heads: slice, q_b: torch.Tensor | None = None, kv_b: torch.Tensor | None = None,

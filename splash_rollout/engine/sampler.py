@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from splash_rollout.engine.request import SamplingSpec
+from splash_rollout.models.numerics import acc_dtype
 
 
 def _truncate(probs: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
@@ -45,7 +46,8 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     logits = logits.float()
     rows = logits.shape[0]
     temps = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in specs], dtype=torch.float32)
-    logprobs_all = torch.log_softmax(logits / temps[:, None], dim=-1)  # [R, V]
+    scaled = (logits / temps[:, None]).to(acc_dtype())  # float64 under reproducible numerics
+    logprobs_all = torch.log_softmax(scaled, dim=-1).float()  # [R, V]
     tokens = torch.argmax(logits, dim=-1)  # greedy rows keep this
     for i in range(rows):
         spec = specs[i]

@@ -4,12 +4,16 @@ The training forward (models/mla.py) and the engine's paged backends call these 
 trainer's logprobs and the rollout's agree by construction. Everything here works on one request
 (queries [N, ...] against that request's keys [S, ...]); callers loop or batch over requests.
 
-All scores are computed in float32 whatever the input dtype; outputs come back in the input dtype
-(``lse`` stays float32).
+All scores are computed in float32 whatever the input dtype (float64 under reproducible numerics,
+models/numerics.py); outputs come back in the input dtype and ``lse`` in float32, unless the caller
+asks for a ``partial`` result that other ranks' parts complete (then both stay in the accumulation
+dtype until ``merge_partial_attention`` rounds once).
 """
 from __future__ import annotations
 
 import torch
+
+from splash_rollout.models.numerics import acc_dtype
 
 
 def absorbed_attention(
@@ -19,8 +23,10 @@ def absorbed_attention(
     k_pe: torch.Tensor,  # [S, rope] roped
     allowed: torch.Tensor,  # [N, S] bool
     scale: float,
+    partial: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out_latent [N, H, r], lse [N, H] float32, natural log of the scaled logits' sum-exp).
+    """Returns (out_latent [N, H, r], lse [N, H] float32, natural log of the scaled logits' sum-exp);
+    with ``partial`` both in the accumulation dtype (``merge_partial_attention`` finishes them).
 
     out_latent = softmax(scale * (q_nope_abs . c_kv + q_pe . k_pe)) @ c_kv over the allowed keys.
     A row with no allowed key gives zeros and lse = -inf, so partial results merge exactly.
@@ -33,8 +39,12 @@ def absorbed_attention(
     widest = int(keys.max()) if keys.numel() else 0
     if allowed.shape[1] >= SPARSE_MIN_KEYS and 4 * widest <= allowed.shape[1]:
         index, valid = allowed_index(allowed, keys, widest)
-        return _attend(q_nope_abs, q_pe, c_kv.float()[index], k_pe.float()[index], valid, scale, True)
-    return _attend(q_nope_abs, q_pe, c_kv.float(), k_pe.float(), allowed[:, None, :], scale, False)
+        out, lse = _attend(q_nope_abs, q_pe, c_kv[index], k_pe[index], valid, scale, True)
+    else:
+        out, lse = _attend(q_nope_abs, q_pe, c_kv, k_pe, allowed[:, None, :], scale, False)
+    if partial:
+        return out, lse
+    return out.to(q_nope_abs.dtype), lse.float()
 
 
 SPARSE_MIN_KEYS = 64
@@ -59,29 +69,35 @@ def allowed_index(allowed: torch.Tensor, keys: torch.Tensor | None = None, wides
 
 
 def _attend(q_nope_abs, q_pe, c, k_pe, visible, scale: float, gathered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of absorbed queries over float32 keys: ``c`` [S, r] and ``k_pe`` [S, rope]
-    shared by every row, or (``gathered``) [N, K, r] / [N, K, rope] per row; ``visible`` broadcasts
-    to the [N, H, S|K] logits."""
+    """Softmax attention of absorbed queries: ``c`` [S, r] and ``k_pe`` [S, rope] shared by every
+    row, or (``gathered``) [N, K, r] / [N, K, rope] per row; ``visible`` broadcasts to the [N, H, S|K]
+    logits. Everything runs in the accumulation dtype; (out, lse) come back in it."""
+    acc = acc_dtype(q_nope_abs.dtype)
     keys = "nk" if gathered else "s"
     scores = "nh" + keys[-1]
-    logits = torch.einsum(f"nhr,{keys}r->{scores}", q_nope_abs.float(), c)
-    logits = logits + torch.einsum(f"nhp,{keys}p->{scores}", q_pe.float(), k_pe)
+    c = c.to(acc)
+    logits = torch.einsum(f"nhr,{keys}r->{scores}", q_nope_abs.to(acc), c)
+    logits = logits + torch.einsum(f"nhp,{keys}p->{scores}", q_pe.to(acc), k_pe.to(acc))
     logits = (logits * scale).masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [N, H]
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 for masked keys and empty rows
     out = torch.einsum(f"{scores},{keys}r->nhr", probs, c)
-    return out.to(q_nope_abs.dtype), lse
+    return out, lse
 
 
-def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Exact merge of attention over disjoint key sets: outs [N, H, r] each, lses [N, H] each."""
-    lse = torch.stack([x.float() for x in lses])  # [P, N, H]
+def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor],
+                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Exact merge of attention over disjoint key sets: outs [N, H, r] each, lses [N, H] each (as
+    ``absorbed_attention(..., partial=True)`` returns them) -> [N, H, r] in ``out_dtype`` (default:
+    the parts' dtype)."""
+    acc = acc_dtype(outs[0].dtype)
+    lse = torch.stack([x.to(acc) for x in lses])  # [P, N, H]
     total = torch.logsumexp(lse, dim=0)  # [N, H]
     safe_total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     weights = torch.exp(lse - safe_total)  # [P, N, H]; zero for empty parts
-    out = sum(w[..., None] * o.float() for w, o in zip(weights, outs))
-    return out.to(outs[0].dtype)
+    out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs))
+    return out.to(outs[0].dtype if out_dtype is None else out_dtype)
 
 
 def indexer_scores(
@@ -90,8 +106,9 @@ def indexer_scores(
     index_k: torch.Tensor,  # [S, D] roped, normed
 ) -> torch.Tensor:
     """DSA lightning-indexer scores [N, S] float32: sum_h w[n,h] * relu(q[n,h] . k[s])."""
-    scores = torch.relu(torch.einsum("nhd,sd->nhs", index_q.float(), index_k.float()))
-    return torch.einsum("nh,nhs->ns", index_w.float(), scores)
+    acc = acc_dtype(index_q.dtype)
+    scores = torch.relu(torch.einsum("nhd,sd->nhs", index_q.to(acc), index_k.to(acc)))
+    return torch.einsum("nh,nhs->ns", index_w.to(acc), scores).float()
 
 
 TIE_BREAKS = ("position", "torch")

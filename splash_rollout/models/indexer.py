@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.numerics import LayerNorm, Linear
 from splash_rollout.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -25,10 +26,10 @@ class Indexer(nn.Module):
         self.tie_break = "position"  # see attention_math.indexer_select; "torch" = transformers' exact choice
         self.rope_dim = config.qk_rope_head_dim
         self.interleaved = config.model_type == "glm_moe_dsa"
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept float32
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)  # kept float32
         # relu(x * a) * b == relu(x) * (a * b) for a > 0: both scales ride on the head weights.
         self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
         self._rotary = (rotary,)  # shared, not a submodule (no parameters, no state_dict entry)

@@ -15,6 +15,7 @@ from splash_rollout.models.attention_math import absorbed_attention, indexer_sco
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.indexer import Indexer
 from splash_rollout.models.norm import RMSNorm
+from splash_rollout.models.numerics import Linear, einsum
 from splash_rollout.models.rope import RotaryEmbedding, apply_rope, softmax_scale
 
 
@@ -33,15 +34,15 @@ class MLAAttention(nn.Module):
         self.rope_interleave = config.rope_interleave if config.model_type == "deepseek_v3" else True
         h, qk = config.num_heads, config.qk_head_dim
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(config.hidden_size, h * qk, bias=False)
+            self.q_proj = Linear(config.hidden_size, h * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank)  # eps 1e-6 as in transformers, not rms_norm_eps
-            self.q_b_proj = nn.Linear(config.q_lora_rank, h * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_lora_rank + self.rope_dim, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, config.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, config.hidden_size, bias=False)
+        self.kv_b_proj = Linear(config.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(h * self.v_dim, config.hidden_size, bias=False)
         self.uses_shared_topk = config.has_indexer and config.indexer_types[layer_idx] == "shared"
         self.indexer = Indexer(config, rotary) if config.has_indexer and not self.uses_shared_topk else None
         self._rotary = (rotary,)  # shared across layers, kept out of the module tree
@@ -81,11 +82,11 @@ class MLAAttention(nn.Module):
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, H, nope] -> q_nope_abs [N, H, kv_lora]."""
-        return torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk())
+        return einsum("nhd,hdr->nhr", q_nope, self.w_uk())
 
     def output(self, out_latent: torch.Tensor) -> torch.Tensor:
         """out_latent [N, H, kv_lora] -> [N, hidden] (W_UV then o_proj)."""
-        v = torch.einsum("nhr,hrv->nhv", out_latent, self.w_uv())
+        v = einsum("nhr,hrv->nhv", out_latent, self.w_uv())
         return self.o_proj(v.reshape(v.shape[0], -1))
 
     # ---- training forward over whole sequences -------------------------------------------------

@@ -17,6 +17,7 @@ from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.mla import MLAAttention
 from splash_rollout.models.moe import DenseMLP, MoE
 from splash_rollout.models.norm import RMSNorm
+from splash_rollout.models.numerics import Linear
 from splash_rollout.models.rope import RotaryEmbedding
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -71,7 +72,7 @@ class MLAForCausalLM(nn.Module):
             raise ValueError(f"indexer_types: layer 0 must be 'full', got {config.indexer_types[0]!r}")
         self.config = config
         self.model = MLAModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

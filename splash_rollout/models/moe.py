@@ -15,17 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.numerics import Linear, acc_dtype, linear, numerics_mode, round_to
 
 
 class DenseMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        """``keep``: return the down projection unrounded (float64 in reproducible numerics), for a
+        caller that adds it to other partial sums first."""
+        return linear(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight, keep=keep)
 
 
 class Router(nn.Module):
@@ -45,7 +48,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (topk_idx [N, k] int64, topk_weight [N, k] float32)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        scores = linear(x.float(), self.weight.float(), keep=True).sigmoid().float()  # [N, E]
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
@@ -65,13 +68,14 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
                 first_expert: int = 0) -> torch.Tensor:
     """Weighted sum of the routed experts' outputs. x [N, hidden]; idx, weight [N, k] (global expert
     ids); ``experts`` hold ids [first_expert, first_expert + len); others contribute nothing here
-    (expert parallelism sums the ranks' parts). Returns [N, hidden]."""
-    out = torch.zeros_like(x)
+    (expert parallelism sums the ranks' parts). Returns [N, hidden] in x's dtype, or float64 in
+    reproducible numerics (a partial sum: the caller adds the shared expert / other ranks, then rounds)."""
+    out = torch.zeros(x.shape, dtype=x.dtype if numerics_mode() == "fast" else acc_dtype(x.dtype), device=x.device)
     local = idx - first_expert
     mine = (local >= 0) & (local < len(experts))
     for e in torch.unique(local[mine]).tolist():  # one host sync, then only the experts that got tokens
         rows, slot = torch.where(local == e)
-        y = experts[e](x[rows]) * weight[rows, slot, None]
+        y = experts[e](x[rows], keep=True) * weight[rows, slot, None]
         out.index_add_(0, rows, y.to(out.dtype))
     return out
 
@@ -89,5 +93,5 @@ class MoE(nn.Module):
         idx, weight = self.gate(x)
         out = run_experts(x, idx, weight, self.experts)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts(x, keep=True)
+        return round_to(out, x.dtype)

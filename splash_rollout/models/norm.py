@@ -1,12 +1,15 @@
 """RMSNorm as the DeepSeek/GLM checkpoints define it.
 
 The statistic is taken in float32 and the weight multiplies the result after the cast back to the
-input dtype, exactly the order transformers uses, so bf16 runs round the same way.
+input dtype, exactly the order transformers uses, so bf16 runs round the same way. Reproducible
+numerics (models/numerics.py) take the statistic in float64 instead.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from splash_rollout.models.numerics import acc_dtype
 
 
 class RMSNorm(nn.Module):
@@ -17,9 +20,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        xa = x.to(acc_dtype(dtype))  # float32, or float64 in reproducible numerics
+        xa = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xa.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

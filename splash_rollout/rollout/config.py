@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.numerics import NUMERICS_MODES
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -49,6 +50,12 @@ class EngineConfig:
     """A progress bar on ``generate`` (requests done / total, layout, tokens/s), drawn on stderr by the
     driver (rank 0). None: only when stderr is a terminal (logs, CI and tests stay clean); True /
     False: always / never."""
+    numerics: str = "fast"
+    """``fast``: float32 kernels as torch picks them. ``reproducible``: matmuls and reductions
+    accumulate in float64 and round once, so a token's logprob no longer depends on batch size,
+    padding, chunking or layout, and equals a trainer's (same process, same mode) to float32
+    rounding; costs float64 matmul speed. Process-wide while the engine lives (models/numerics.py),
+    set on every rank and in the calling process."""
     flush_denormal: bool = True
     """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
     of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below
@@ -77,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
         if str(self.layout).lower() != "auto":
             Layout.parse(self.layout, "layout")
+        if self.numerics not in NUMERICS_MODES:
+            raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         for step, name in (self.switch_schedule or {}).items():
             if not isinstance(step, int) or step < 0:
                 raise ValueError(f"switch_schedule: steps must be non-negative integers, got {step!r}")

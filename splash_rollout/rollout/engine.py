@@ -18,6 +18,7 @@ from splash_rollout.engine.engine import Engine
 from splash_rollout.engine.kv_pool import KVPoolSpec
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import ModelConfig, resolve_model
+from splash_rollout.models.numerics import numerics_mode, set_numerics
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, can_ever_admit, load_model, serve_records, take_logs,
                                           worker_build, worker_can_ever_admit, worker_request_switch, worker_serve,
@@ -47,6 +48,9 @@ class RolloutEngine:
         self.config = config
         if config.flush_denormal and torch.device(config.device).type == "cpu":
             torch.set_flush_denormal(True)
+        # process-wide while the engine lives: a trainer in this process computes like the engine
+        self._numerics_before = numerics_mode()
+        set_numerics(config.numerics)
         self.model_config: ModelConfig = resolve_model(config.model)
         self.max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                            self.model_config.max_position_embeddings)
@@ -435,6 +439,7 @@ class RolloutEngine:
                 self.engine.abort_all()
             if self.group is not None:
                 self.group.shutdown()
+            set_numerics(self._numerics_before)
             self._closed = True
 
     def __enter__(self) -> "RolloutEngine":

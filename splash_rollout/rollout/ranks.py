@@ -17,6 +17,7 @@ from splash_rollout.engine.group_engine import GroupEngine, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
+from splash_rollout.models.numerics import set_numerics
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +63,7 @@ def build_group_engine(config, groups: ProcessGroups) -> GroupEngine:
     """This rank's GroupEngine for an EngineConfig (collective: every rank calls it)."""
     if config.flush_denormal:
         torch.set_flush_denormal(True)
+    set_numerics(config.numerics)
     model_config = resolve_model(config.model)
     dtype = TORCH_DTYPES[config.dtype]
     auto = str(config.layout).lower() == "auto"

@@ -29,10 +29,11 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, layer: int, q_nope_abs: torch.Tensor, q_pe: torch.Tensor, pool: "KVPool",
-                batch: "ForwardBatch", allowed: Sequence[torch.Tensor] | None, scale: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: "ForwardBatch", allowed: Sequence[torch.Tensor] | None, scale: float,
+                partial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """q_nope_abs: [N, H, kv_lora_rank]; q_pe: [N, H, qk_rope_head_dim];
         allowed: per request Bool [num_new, seq_len] (None: causal)
         → (out_latent [N, H, kv_lora_rank], lse [N, H] float32). The lse lets a layout that splits a
-        history over ranks (CP) merge partial results exactly. The new tokens' KV must already be in
-        the pool."""
+        history over ranks (CP) merge partial results exactly; such a caller passes ``partial`` and
+        gets both in the accumulation dtype (models/numerics.py) so the merge rounds once. The new
+        tokens' KV must already be in the pool."""

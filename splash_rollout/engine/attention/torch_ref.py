@@ -11,18 +11,21 @@ import torch
 
 from splash_rollout.engine.attention.base import AttentionBackend
 from splash_rollout.models.attention_math import absorbed_attention
+from splash_rollout.models.numerics import acc_dtype
 
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
-    def forward(self, layer, q_nope_abs, q_pe, pool, batch, allowed: Sequence[torch.Tensor] | None, scale):
-        out = q_nope_abs.new_empty(q_nope_abs.shape)  # [N, H, r]
-        lse = torch.empty(q_nope_abs.shape[:2], dtype=torch.float32, device=q_nope_abs.device)  # [N, H]
+    def forward(self, layer, q_nope_abs, q_pe, pool, batch, allowed: Sequence[torch.Tensor] | None, scale,
+                partial: bool = False):
+        acc = acc_dtype(q_nope_abs.dtype)
+        out = q_nope_abs.new_empty(q_nope_abs.shape, dtype=acc if partial else q_nope_abs.dtype)  # [N, H, r]
+        lse = torch.empty(q_nope_abs.shape[:2], dtype=acc if partial else torch.float32, device=q_nope_abs.device)
         for i, seq in enumerate(batch.seqs):
             c_kv, k_pe = pool.read_kv(layer, seq.slots)  # [S, r], [S, rope]
             mask = allowed[i] if allowed is not None else seq.causal_mask(q_pe.device)
             rows = slice(seq.row_start, seq.row_end)
             out[rows], lse[rows] = absorbed_attention(q_nope_abs[rows], q_pe[rows], c_kv.to(q_pe.dtype),
-                                                      k_pe.to(q_pe.dtype), mask, scale)
+                                                      k_pe.to(q_pe.dtype), mask, scale, partial)
         return out, lse

@@ -35,11 +35,11 @@ class CPExecutor(AttentionExecutor):
         s.pool.write_kv(layer, batch.out_slots, c_kv, k_pe)  # only the positions stored here
         allowed = self._dsa_allowed(attn, x, q_a, batch)
         out, lse = s.backend.forward(layer, shard.absorb(attn, q_nope), q_pe, s.pool, batch, allowed,
-                                     attn.softmax_scale)  # partial over local keys: [N, H, r], [N, H]
+                                     attn.softmax_scale, partial=True)  # over local keys: [N, H, r], [N, H]
         n, t = out.shape[0], s.view.world_size
         outs = s.comm.all_gather_uneven(out.reshape(n, -1), [n] * t, tag="step/attn").view(t, *out.shape)
         lses = s.comm.all_gather_uneven(lse, [n] * t, tag="step/attn").view(t, *lse.shape)
-        merged = merge_partial_attention(list(outs), list(lses))  # [N, H, r], the same on every rank
+        merged = merge_partial_attention(list(outs), list(lses), x.dtype)  # [N, H, r], the same on every rank
         return shard.output(attn, merged)
 
     def _dsa_allowed(self, attn, x, q_a, batch: ForwardBatch) -> list[torch.Tensor] | None:

@@ -7,6 +7,7 @@ import torch
 from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
+from splash_rollout.models.numerics import round_to
 
 
 class TPExecutor(AttentionExecutor):
@@ -16,4 +17,4 @@ class TPExecutor(AttentionExecutor):
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = self.s
         partial = attend_local(attn, s.shards[attn.layer_idx], s.pool, s.backend, x, batch)  # [N, hidden]
-        return s.comm.all_reduce(partial, tag="step/attn")
+        return round_to(s.comm.all_reduce(partial, tag="step/attn"), x.dtype)

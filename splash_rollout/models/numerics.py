@@ -1,0 +1,108 @@
+"""Reproducible numerics: float32 results that do not depend on how a computation was batched.
+
+Why this exists: RL needs the rollout's logprob of a token to equal the trainer's (the GRPO ratio is
+exp(trainer - rollout)). Both run this package's model code, but never in the same shapes: the
+engine decodes one row per request and shards heads and FFN columns over ranks, the trainer runs
+whole padded sequences on full weights. torch's float32 kernels round differently for different
+shapes (MKL takes another path below ~12 rows; a softmax over 47 keys and over 48 keys with the last
+masked group their partial sums differently), and a trained model amplifies one ulp of difference
+in its first layer into ~3e-5 of logprob (glm5-nano after SFT: a 121-wide activation in the
+residual stream). Measured on the recipe's checkpoint: engine vs trainer up to 3.2e-5, with most
+tokens bit-identical and the rest one rounding apart.
+
+Mode ``"fast"`` (default): float32 kernels as torch picks them.
+Mode ``"reproducible"``: every matmul, einsum and reduction of the model accumulates in float64 and
+rounds once to the activation dtype. A float64 sum of float32 products is exact up to ~1e-16
+relative, so its float32 rounding does not depend on the order the kernel chose: results agree
+bit-for-bit across batch sizes, padding, prefill chunking and layouts (except when a value falls
+within 1e-16 of a rounding boundary). Partial sums that ranks add together (row-parallel o_proj
+and FFN-down outputs, CP's partial attention) stay float64 through the collective (``keep=True``)
+and are rounded after it, so a sharded sum rounds exactly like the trainer's unsharded one.
+
+The mode is process-wide: the engine sets it on every rank from ``EngineConfig.numerics``, and a
+trainer sharing the process computes its logprobs under the same rules. It costs float64 matmul
+throughput (about 2x on AVX-512 CPUs); it is meant for CPU runs and parity checks, not GPU serving.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NUMERICS_MODES = ("fast", "reproducible")
+_accumulate: torch.dtype | None = None  # None: fast mode (each op in its input dtype)
+
+
+def set_numerics(mode: str) -> None:
+    """Select the process-wide mode: ``"fast"`` or ``"reproducible"``."""
+    global _accumulate
+    if mode not in NUMERICS_MODES:
+        raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {mode!r}")
+    _accumulate = torch.float64 if mode == "reproducible" else None
+
+
+def numerics_mode() -> str:
+    return "fast" if _accumulate is None else "reproducible"
+
+
+@contextlib.contextmanager
+def numerics(mode: str) -> Iterator[None]:
+    """Run a block under ``mode``, restoring the previous mode after it."""
+    previous = numerics_mode()
+    set_numerics(mode)
+    try:
+        yield
+    finally:
+        set_numerics(previous)
+
+
+def acc_dtype(dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """Dtype reductions run in: float64 in reproducible mode, else float32 (never below it)."""
+    return _accumulate if _accumulate is not None else torch.promote_types(dtype, torch.float32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
+    """F.linear; in reproducible mode accumulated in float64. The result has ``weight``'s dtype, or
+    stays float64 with ``keep`` (a partial sum that a collective or a later sum completes)."""
+    if _accumulate is None:
+        return F.linear(x, weight, bias)
+    y = F.linear(x.to(_accumulate), weight.to(_accumulate), None if bias is None else bias.to(_accumulate))
+    return y if keep else y.to(weight.dtype)
+
+
+def einsum(equation: str, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+           keep: bool = False) -> torch.Tensor:
+    """Two-operand torch.einsum; in reproducible mode accumulated in float64. The result has
+    ``out_dtype`` (default: ``b``'s dtype, the weight in the model's calls), or float64 with ``keep``."""
+    if _accumulate is None:
+        y = torch.einsum(equation, a, b)
+        return y if out_dtype is None else y.to(out_dtype)
+    y = torch.einsum(equation, a.to(_accumulate), b.to(_accumulate))
+    return y if keep else y.to(b.dtype if out_dtype is None else out_dtype)
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Finish a kept partial sum: cast to the activation dtype (no-op in fast mode's dtypes)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state_dict names) that follows the numerics mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm that normalises in the accumulation dtype (row statistics are reductions too)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _accumulate is None:
+            return super().forward(x)
+        acc = _accumulate
+        weight = None if self.weight is None else self.weight.to(acc)
+        bias = None if self.bias is None else self.bias.to(acc)
+        return F.layer_norm(x.to(acc), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
