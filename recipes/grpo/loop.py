@@ -5,7 +5,7 @@
         rewards    = verify(batch, answers)                      # reward
         advantages = group_advantages(rewards)                   # group-normalised
         stats      = grpo_update(trainer, batch, advantages)     # train (ZeRO-2 over the ranks)
-        push_weights(engine, trainer, version=step + 1)          # the engine samples the new policy
+        engine.update_weights(weights, version=step + 1)         # the engine samples the new policy
         sink.log(step_metrics(...), step)                        # log
 
 ``cfg`` is the composed Hydra config (see ``conf/``); it is turned into the library's frozen configs
@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
 import os
 import time
-import warnings
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,42 +63,18 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
                   page_size=e.page_size, max_num_batched_tokens=e.max_num_batched_tokens,
                   max_num_seqs=e.max_num_seqs, memory_budget_gib=e.memory_budget_gib,
                   max_model_len=e.max_model_len, device=cfg.hardware.device,
-                  attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer)
+                  attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
+                  numerics=e.get("numerics", "fast"))
     if e.layout is not None:
         kwargs["layout"] = e.layout
     return RolloutEngine(EngineConfig(**kwargs))
 
 
 def build_engine_with_weights(cfg: DictConfig, weights: dict[str, torch.Tensor]) -> RolloutEngine:
-    """The engine, holding ``weights`` (version 0).
-
-    Workaround while the multi-rank engine is being built: if ``engine.world_size`` > 1 cannot be
-    constructed or cannot take a weight push yet, every rank runs its own world_size=1 engine. Per-
-    sample seeds make the T copies return the same batch, which is what the multi-rank contract
-    gives each rank, so the loop above does not change when the real one lands."""
-    try:
-        engine = build_engine(cfg)
-        push_weights(engine, weights, version=0)
-        return engine
-    except NotImplementedError as err:
-        if cfg.engine.world_size == 1:
-            raise
-        warnings.warn(f"engine.world_size={cfg.engine.world_size} not usable yet ({err}); every rank runs a "
-                      "world_size=1 engine with the same seeds")
-        if "engine" in locals():
-            engine.shutdown()
-        single = OmegaConf.merge(cfg, {"engine": {"world_size": 1, "layout": None}})
-        engine = build_engine(single)
-        push_weights(engine, weights, version=0)
-        return engine
-
-
-def push_weights(engine: RolloutEngine, weights: dict[str, torch.Tensor], version: int) -> None:
-    """``update_weights(named_tensors, version)`` when the engine takes a version, else the state dict."""
-    if "version" in inspect.signature(engine.update_weights).parameters:
-        engine.update_weights(weights, version=version)
-    else:
-        engine.update_weights(weights)
+    """The engine over this run's ranks, holding ``weights`` as version 0."""
+    engine = build_engine(cfg)
+    engine.update_weights(weights, version=0)
+    return engine
 
 
 @contextmanager
@@ -266,7 +240,7 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             train_stats = grpo_update(trainer, batch, advantages, loss_config, g.minibatches,
                                       cfg.trainer.micro_batch_size, tokenizer.pad_token_id, ref_model)
         with timed(timings, "push_weights"):
-            push_weights(engine, trainer.named_weights(), version=step + 1)
+            engine.update_weights(trainer.named_weights(), version=step + 1)
         timings["timing_s/step"] = sum(timings.values())
         accuracy = answer_accuracy(batch, rows["answer"], tokenizer)
         metrics = {**step_metrics(batch, rewards, accuracy, timings), **train_stats, "grpo_step": float(step)}

@@ -46,7 +46,7 @@ def test_two_grpo_steps_on_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_engine_logprobs_equal_trainer_logprobs_after_push(tmp_path):
-    from recipes.grpo.loop import build_engine, build_policy, push_weights
+    from recipes.grpo.loop import build_engine, build_policy
     from recipes.grpo.trainer import Trainer, TrainerConfig, collate
     from splash_rollout.rollout.types import SamplingParams
     from splash_rollout.run import compose_config
@@ -57,7 +57,7 @@ def test_engine_logprobs_equal_trainer_logprobs_after_push(tmp_path):
     # one optimizer step moves the weights away from the engine's initial ones
     mb = collate([[5, 6, 7]], [[8, 9]], pad_id=2)
     trainer.optimizer_step([mb], lambda lp, b: (-(lp * b.loss_mask).sum(), {}), temperature=1.0)
-    push_weights(engine, trainer.named_weights(), version=1)
+    engine.update_weights(trainer.named_weights(), version=1)
     batch = engine.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(n=2, temperature=0.7, max_new_tokens=20,
                                                                     seed=3, ignore_eos=True))
     samples = batch.samples
