@@ -12,6 +12,7 @@ import sys
 import time
 
 from splash_rollout.layout.layouts import ALL_LAYOUTS
+from splash_rollout.models.numerics import NUMERICS_MODES
 
 
 def _ints(text: str) -> list[int]:
@@ -31,7 +32,7 @@ def cmd_layouts(args) -> dict:
     start = time.perf_counter()
     with WorkerGroup(args.world_size, timeout_s=600) as group:
         points = group.run(bench_on_rank, args.model, list(args.layouts), args.batches, args.contexts, 16,
-                           args.repeats, timeout_s=7200)[0]
+                           args.repeats, 0, args.numerics, timeout_s=7200)[0]
     print(f"  {len(points)} points in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     best = {}
     for kind in ("prefill_ms", "decode_ms"):
@@ -39,7 +40,7 @@ def cmd_layouts(args) -> dict:
             key = f"{kind[:-3]}/B{p['batch']}/S{p['context']}"
             if key not in best or p[kind] < best[key][1]:
                 best[key] = (p["layout"], p[kind])
-    return {"model": args.model, "world_size": args.world_size, "points": points,
+    return {"model": args.model, "world_size": args.world_size, "numerics": args.numerics, "points": points,
             "fastest": {k: v[0] for k, v in best.items()}}
 
 
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     lay.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
     lay.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
     lay.add_argument("--repeats", type=int, default=5, help="rounds per grid point (median)")
+    lay.add_argument("--numerics", choices=NUMERICS_MODES, default="fast", help="engine numerics (models/numerics.py)")
     lay.add_argument("--json", default="bench_layouts.json", help="output JSON path")
     lay.add_argument("--png", default="bench_layouts.png", help="output plot path")
     sw = verbs.add_parser("switch", help="blocking / overlapped / target-ready times of the 12 switches")
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     cm.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
     cm.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
     cm.add_argument("--repeats", type=int, default=5, help="rounds per grid point (median; ties between layouts are within a few %%)")
+    cm.add_argument("--numerics", choices=NUMERICS_MODES, default="fast", help="engine numerics (models/numerics.py)")
     cm.add_argument("--measured", help="reuse a bench layouts JSON instead of measuring again")
     cm.add_argument("--json", default="bench_costmodel.json", help="output JSON path")
     args = parser.parse_args(argv)

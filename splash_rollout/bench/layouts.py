@@ -20,16 +20,18 @@ from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM
+from splash_rollout.models.numerics import set_numerics
 
 DECODE_STEPS = 6
 
 
 def bench_on_rank(ctx, model: str, layouts: str | list[str], batches: list[int], contexts: list[int],
-                  page_size: int = 16, repeats: int = 3, seed: int = 0) -> list[dict] | None:
-    """Every rank: run the grid in each of ``layouts`` (one name or several, interleaved per round);
-    rank 0 returns one record per layout and grid point (``{"layout", "batch", "context", "repeats",
-    "prefill_ms", "decode_ms"}``), others None."""
+                  page_size: int = 16, repeats: int = 3, seed: int = 0, numerics: str = "fast") -> list[dict] | None:
+    """Every rank: run the grid in each of ``layouts`` (one name or several, interleaved per round)
+    under ``numerics`` (models/numerics.py); rank 0 returns one record per layout and grid point
+    (``{"layout", "batch", "context", "repeats", "prefill_ms", "decode_ms"}``), others None."""
     torch.set_flush_denormal(True)
+    set_numerics(numerics)
     names = [layouts] if isinstance(layouts, str) else list(layouts)
     cfg = resolve_model(model)
     most = max(batches) * (max(contexts) + DECODE_STEPS + page_size)
