@@ -1,32 +1,17 @@
 """After update_weights with trained weights, the engine's rollout logprobs equal the trainer's
 logprobs of the same tokens (float32, 1e-5), with temperature 1 and top_p < 1: the rollout logprob
-is that of the untruncated distribution, which is what the trainer's forward computes."""
+is that of the untruncated distribution, which is what the trainer's forward computes. Fast numerics
+on a lightly trained model; test_numerics.py checks reproducible numerics to exactness."""
 import torch
 
 from recipes.grpo.loss import token_logprobs
 from recipes.grpo.trainer import collate
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
-from splash_rollout.models.config import resolve_model
-from splash_rollout.models.model import MLAForCausalLM
-
-
-def trained_model(steps: int = 3, lr: float = 0.05) -> MLAForCausalLM:
-    """glm5-nano moved off its init by a few SGD steps of next-token loss on fixed sequences."""
-    model = MLAForCausalLM.from_config(resolve_model("glm5-nano"), seed=0)
-    gen = torch.Generator().manual_seed(1)
-    data = torch.randint(2, 200, (4, 32), generator=gen)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for _ in range(steps):
-        logits = model(data)[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+from tests.unit.test_numerics import sharp_model
 
 
 def test_engine_logprobs_equal_trainer_logprobs_after_update_weights():
-    model = trained_model()
+    model = sharp_model()
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12] * 30, [40, 41] * 12]
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=128, page_size=8, max_num_batched_tokens=64)) as engine:
