@@ -370,9 +370,15 @@ class GroupEngine:
         first = not self.decision_log
         decision = self.policy.decide(None if first else self.layout, batch, remaining, self.steps_in_layout,
                                       [r.max_total_tokens for r in running], waiting)
-        if first or decision.switch:
+        # the timeline keeps the first call, every switch, and a checkpoint each time the batch the
+        # policy priced has halved since the last kept one: a draining group shows, O(log B) times,
+        # what each layout was predicted to cost when the policy stayed put
+        priced = len(running) + decision.admitted.get(decision.chosen.value, 0)
+        drained = bool(self.decision_log) and 2 * priced <= self.decision_log[-1]["priced_batch"]
+        if first or decision.switch or drained:
+            why = "initial" if first else "switch" if decision.switch else "drained"
             self.decision_log.append(dict(decision.to_dict(), step=self.num_steps, batch_size=len(running),
-                                            waiting=len(self.scheduler.waiting)))
+                                          waiting=len(self.scheduler.waiting), priced_batch=priced, logged=why))
         if decision.chosen is not self.layout and (first or decision.switch):
             self.pending_switch = (decision.chosen, False)
 

@@ -86,7 +86,10 @@ class Timeline:
     """Each: src, dst, step, bytes_sent [T], bytes_received [T], overhead_ms, blocking_estimate_ms,
     deferred_reason (None when the switch happened)."""
     decisions: list[dict[str, Any]] = field(default_factory=list)
-    """layout="auto": the policy's choices (step, chosen, reason, predicted per-layout step costs)."""
+    """layout="auto": the policy's choices (step, chosen, reason, predicted per-layout step costs and
+    seconds per token, admissions, batch_size, priced_batch). Kept: the first call (``logged="initial"``),
+    every switch (``"switch"``) and a checkpoint whenever the priced batch has halved since the last
+    kept one (``"drained"``), so a draining group shows why the policy stayed where it was."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

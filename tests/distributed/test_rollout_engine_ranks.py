@@ -110,8 +110,10 @@ def test_auto_layout_follows_a_draining_batch_and_records_why():
     first, *later = t["decisions"]
     assert first["step"] == 0 and set(first["step_costs"]) == {"tp", "cp", "dp", "dop"}
     assert t["phases"][0]["layout"] == first["chosen"]
-    assert later and all(d["switch"] for d in later)  # the policy moved as the batch drained
-    into_dop = [d for d in later if d["chosen"] == "dop"]
+    moves = [d for d in later if d["switch"]]
+    assert moves and all(d["logged"] == "switch" for d in moves)  # the policy moved as the batch drained
+    assert all(d["logged"] == "drained" and not d["switch"] for d in later if d not in moves)
+    into_dop = [d for d in moves if d["chosen"] == "dop"]
     assert into_dop and "admits" in into_dop[0]["reason"]  # capacity that changes admission
     assert into_dop[0]["admitted"]["dop"] > into_dop[0]["admitted"]["dp"]
     assert t["phases"][-1]["layout"] != "dop" and t["phases"][-1]["batch_size_start"] <= 2  # the drained tail
