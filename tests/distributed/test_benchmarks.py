@@ -66,3 +66,14 @@ def test_layout_sweep_small(tmp_path):
     assert set(r["leaders"]["B2"]) == {"16", "32"} and set(r["leaders"]["B2"].values()) <= {"dp", "dop"}
     for p in r["points"]:
         assert p["tokens_per_s"] == pytest.approx(p["batch"] * (p["input_len"] + 4) / p["batch_s"])
+
+
+def test_numerics_cost_quick(tmp_path):
+    out = tmp_path / "numerics.json"
+    _run("numerics_cost.py", "--json", str(out), "--quick")
+    r = json.loads(out.read_text())
+    assert set(r["tokens_per_s"]) == {"fast", "reproducible"} and all(v > 0 for v in r["tokens_per_s"].values())
+    assert r["slowdown"] == pytest.approx(r["tokens_per_s"]["fast"] / r["tokens_per_s"]["reproducible"])
+    assert r["logprob_diff_max"]["reproducible"] <= 1e-6 and r["tokens_over_1e-5"]["reproducible"] == 0
+    assert [x["numerics"] for x in r["rounds"]] == ["fast", "reproducible"]
+    assert all(0 < x["tokens"] <= 4 * 2 * 24 for x in r["rounds"])  # 4 prompts x 2 samples, eos may stop early
