@@ -90,7 +90,8 @@ def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) ->
             ax.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
             seen[p["layout"]] = color
             b0, b1 = _batch_sizes(p)
-            ax.plot([x0, x1], [b0, b1], color="black", lw=1.2)
+            curve = p.get("batch_curve") or [[p["t_start"], b0], [p["t_end"], b1]]
+            ax.plot([offset + c[0] for c in curve], [c[1] for c in curve], color="black", lw=1.2)
             dt = p["t_end"] - p["t_start"]
             ax2.plot([x0, x1], [p.get("tokens", 0) / dt if dt > 0 else 0.0] * 2, color="tab:orange", lw=1.2)
         switch_times = [offset + s["t"] for s in t.get("switches", []) if "t" in s]

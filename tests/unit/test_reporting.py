@@ -106,3 +106,16 @@ def test_progress_bar_disabled_is_noop_and_enabled_counts(capsys):
         p.update(1, layout="dp", tokens=10)
         p.update(4, layout="dop", tokens=50)
         assert p._bar.n == 4 and p.tokens_per_s > 0
+
+
+def test_phases_keep_the_drain_shape_in_a_few_points():
+    from splash_rollout.rollout.timeline import phases_from_steps
+
+    running = [128, 120, 100, 90, 60, 40, 39, 20, 5, 3, 2, 1, 1, 1, 0]
+    steps = [{"layout": "dp" if i < 10 else "dop", "seconds": 0.5, "requests": r, "running": r, "rows": r}
+             for i, r in enumerate(running)]
+    dp, dop = phases_from_steps(steps)
+    # a point each time the batch fell to <= 0.8 of the last point, plus the start and the end
+    assert dp["batch_curve"] == [[0.0, 128], [1.5, 100], [2.5, 60], [3.0, 40], [4.0, 20], [4.5, 5], [5.0, 3]]
+    assert dop["batch_curve"] == [[5.0, 2], [6.0, 1], [7.5, 0]]
+    assert (dp["batch_size_start"], dp["batch_size_end"], dop["t_end"]) == (128, 3, 7.5)
