@@ -65,7 +65,7 @@ class TensorOffload:
     def total_bytes(self) -> int:
         return sum(self.nbytes)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # switch-built state is inference tensors (see weight_update.apply_update)
     def release(self) -> None:
         if self.released:
             raise RuntimeError("TensorOffload.release: already released")
@@ -91,7 +91,7 @@ class TensorOffload:
         self.released = True
         trim_host_heap()
 
-    @torch.no_grad()
+    @torch.inference_mode()  # switch-built state is inference tensors (see weight_update.apply_update)
     def restore(self) -> None:
         if not self.released:
             raise RuntimeError("TensorOffload.restore: nothing released")

@@ -53,9 +53,11 @@ def _dense(shard: DenseShard, part: str, full: torch.Tensor, rank: int, world_si
     return full[:, a:b] if part == "down_proj" else full[a:b]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def apply_update(model, shards, named: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
-    """Copy validated full tensors into this rank's shards and replicated parameters."""
+    """Copy validated full tensors into this rank's shards and replicated parameters. Inference mode:
+    a live switch builds the destination's shards inside a serving step, as inference tensors, and
+    those only take in-place writes under it (normal tensors take them there too)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     layers = model.model.layers

@@ -92,6 +92,33 @@ def test_update_weights_slices_into_every_layout_and_rejects_bad_pushes():
         assert batch.groups[0].samples[0].weight_version == 3
 
 
+def test_weights_push_and_sleep_after_live_switches():
+    """A switch builds the destination's shards and pools inside a serving step (inference mode); the
+    RL loop then pushes weights into them and sleeps/wakes them. Every layout entered live."""
+    from splash_rollout.models.config import PRESETS
+    from splash_rollout.models.model import MLAForCausalLM
+
+    pushes = [MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=s).state_dict() for s in (41, 42)]
+    want = []
+    with RolloutEngine(EngineConfig(model="glm5-nano", max_num_batched_tokens=64, page_size=8)) as one:
+        for w in pushes:
+            one.update_weights(w)
+            want.append(_responses(one.generate(PROMPTS, PARAMS)))
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="dp", max_num_batched_tokens=64, page_size=8,
+                       switch_schedule={2: "tp", 4: "cp", 6: "dop"})
+    with RolloutEngine(cfg) as engine:
+        engine.generate(PROMPTS, PARAMS)  # dp -> tp -> cp -> dop, each built mid-call
+        engine.update_weights(pushes[0], version=1)
+        engine.sleep()
+        engine.wake_up()
+        assert _responses(engine.generate(PROMPTS, PARAMS)) == want[0]
+        engine.switch_layout("dp")  # all heads again, all-gathered live
+        engine.generate(PROMPTS, PARAMS)
+        engine.update_weights(pushes[1], version=2)
+        batch = engine.generate(PROMPTS, PARAMS)
+        assert _responses(batch) == want[1] and batch.groups[0].samples[0].weight_version == 2
+
+
 def test_auto_layout_follows_a_draining_batch_and_records_why():
     """Under a tight memory budget (2.5 MiB per rank) DOP's pools admit more of a wide queue than
     DP-attention's; with the calibrated CPU profile the policy moves into DOP while the queue lasts
