@@ -3,8 +3,8 @@
 A phase is a run of consecutive steps in one layout: ``layout``, ``t_start`` / ``t_end`` (seconds
 from the start of the call), ``steps``, ``batch_size_start`` / ``batch_size_end`` (running requests),
 ``tokens`` (query rows processed), ``batch_curve`` ([t, running] pairs: the phase's start, every step
-where the batch has shrunk by a fifth since the last pair, and its end -- the drain's shape in
-O(log B) points). A switch record keeps ``src``, ``dst``, ``step``, ``bytes_sent``
+where the batch has moved by a fifth since the last pair -- drained, or refilled from the queue --
+and its end: the drain's shape in O(log B) points). A switch record keeps ``src``, ``dst``, ``step``, ``bytes_sent``
 and ``bytes_received`` (one entry per rank), ``overhead_ms`` (time the switching step waited for
 switch state), ``blocking_estimate_ms`` and ``deferred_reason`` (None when it happened).
 """
@@ -18,8 +18,8 @@ SWITCH_KEYS = ("src", "dst", "step", "bytes_sent", "bytes_received", "overhead_m
                "deferred_reason", "blocking")
 
 
-CURVE_SHRINK = 0.8
-"""A phase's batch_curve gets a point whenever the running batch is at most this fraction of the last point's."""
+CURVE_STEP = 0.2
+"""A phase's batch_curve gets a point whenever the running batch moved by this fraction of the last point's."""
 
 
 def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -34,7 +34,8 @@ def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p = {"layout": s["layout"], "t_start": t, "t_end": t_end, "steps": 1, "batch_size_start": s["requests"],
                  "batch_size_end": s["running"], "tokens": s["rows"], "batch_curve": [[t, s["requests"]]]}
             phases.append(p)
-        if s["running"] <= CURVE_SHRINK * p["batch_curve"][-1][1]:
+        last = p["batch_curve"][-1][1]
+        if abs(s["running"] - last) >= CURVE_STEP * max(last, 1):
             p["batch_curve"].append([t_end, s["running"]])
         t = t_end
     for p in phases:

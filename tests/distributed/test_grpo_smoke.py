@@ -36,9 +36,9 @@ def test_two_grpo_steps_on_two_ranks(tmp_path):
     for line in lines:
         assert all(k in line for k in REQUIRED), set(REQUIRED) - set(line)
         assert line["rollout/num_samples"] == 16
-    # step 1 trains on tokens the engine sampled with the weights pushed after step 0: the trainer's
-    # on-policy forward reproduces the engine's logprobs of those tokens
-    assert lines[1]["train/logprob_diff_max"] < 1e-5
+    # step 0 trains on the pushed SFT weights, step 1 on those pushed after step 0: under the recipe's
+    # reproducible numerics the trainer's on-policy forward reproduces the engine's logprobs
+    assert all(line["train/logprob_diff_max"] <= 1e-6 for line in lines), [l["train/logprob_diff_max"] for l in lines]
     for name in ("timeline.json", "timeline.png", "samples.jsonl", "summary.json"):
         assert (tmp_path / name).exists(), name
     assert len(json.loads((tmp_path / "timeline.json").read_text())["steps"]) == 2
