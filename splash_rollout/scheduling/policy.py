@@ -231,8 +231,8 @@ class LayoutPolicy:
                 reasons.append(f"{cand.value}: no headroom for one layer's buffers")
                 continue
             if not cur_ok:
-                return Decision(current, cand, True, f"{current.value} cannot hold the batch; forced to {cand.value}",
-                                secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
+                why = "; ".join(reasons + [f"{current.value} cannot hold the batch; forced to {cand.value}"])
+                return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
             lead = cur_eff - seconds
             if seconds > cur_eff * (1.0 - cfg.rel_margin):
                 reasons.append(f"{cand.value} leads by {lead / cur_eff:.1%} < {cfg.rel_margin:.0%}")
@@ -245,6 +245,7 @@ class LayoutPolicy:
             why = f"{cand.value} saves {gain * 1e3:.1f} ms over {horizon:.0f} steps > switch {sc.overlapped_s * 1e3:.2f} ms"
             if priced[cand][2] != priced[current][2]:
                 why += f" (admits {priced[cand][2]} queued vs {priced[current][2]})"
+            why = "; ".join(reasons + [why])  # and why faster layouts were passed over
             return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
         keep_reason = "; ".join(reasons) or "no better layout"
         return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon, **extra)

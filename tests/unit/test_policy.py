@@ -72,6 +72,10 @@ def test_never_switches_into_a_layout_that_cannot_hold_the_batch(dep):
         d = pol.decide(cur, batch, np.full(b, 10_000), steps_in_layout=1000, reserved=reserved)
         if d.switch:
             assert fits(d.chosen, reserved, dep.pools[d.chosen], 8, batch.owners), d.reason
+            # every layout cheaper per token than the one chosen is named with why it was passed over
+            spt = d.seconds_per_token
+            passed = [l for l, v in spt.items() if v is not None and v < spt[d.chosen.value] and l != cur.value]
+            assert all(f"{l}:" in d.reason or f"{l} saves" in d.reason for l in passed), d.reason
 
 
 def test_forced_out_of_a_layout_that_overflows(dep):
@@ -139,3 +143,17 @@ def test_admit_is_fifo_and_respects_the_pool_and_the_token_budget():
     step, _, added = admit(Layout.TP, empty, np.zeros(0, np.int64), Waiting.make([300, 300], [400, 400], 350, 64),
                            10_000, 2)
     assert added == 2 and list(step.query_rows) == [300, 50]  # the second gets the budget's remainder
+
+
+def test_a_switch_names_the_faster_layouts_it_passed_over(dep):
+    """DP-attention is the cheapest here but the batch fills its pool to the last pages, leaving no
+    room for a switch's per-layer buffers (Eq. 5): the policy goes to DOP and says why not DP."""
+    b, owners = 16, np.arange(16) % 8
+    per = int(dep.pools[Layout.DP] * 0.999) // 2
+    per -= per % 64
+    batch = StepBatch.make(np.full(b, per - 2000), 1, owners)
+    d = LayoutPolicy(dep, PolicyConfig(min_dwell_steps=0)).decide(Layout.TP, batch, np.full(b, 2000), 100,
+                                                                   reserved=np.full(b, per))
+    assert d.step_costs["dp"] < d.step_costs["dop"] and fits(Layout.DP, np.full(b, per), dep.pools[Layout.DP], 8, owners)
+    assert d.switch and d.chosen is Layout.DOP
+    assert d.reason.startswith("dp: no headroom") and "forced to dop" in d.reason, d.reason
