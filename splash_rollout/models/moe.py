@@ -28,7 +28,7 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         """``keep``: return the down projection unrounded (float64 in reproducible numerics), for a
         caller that adds it to other partial sums first."""
-        return linear(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight, keep=keep)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), keep=keep)
 
 
 class Router(nn.Module):

@@ -90,10 +90,11 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state_dict names) that follows the numerics mode."""
+    """nn.Linear (same parameters and state_dict names) that follows the numerics mode. Called as a
+    module even for ``keep`` so parameter-gathering hooks (ZeRO-3, FSDP) still run."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, keep=keep)
 
 
 class LayerNorm(nn.LayerNorm):
