@@ -161,6 +161,9 @@ class GroupEngine:
         """Rank 0: a scheduling.LayoutPolicy when the layout is chosen automatically (layout="auto")."""
         self.decision_log: list[dict] = []
         """Rank 0: the policy's decisions that chose a layout (with predicted per-layout step costs)."""
+        self.ended_lengths: tuple[list[int], list[int]] = ([], [])
+        """Rank 0: response lengths of this serve call's samples that stopped (EOS / stop string)
+        and that hit their cap: what the policy's horizon estimate learns from (scheduling/horizon.py)."""
         self.steps_in_layout = 0
         self.switch_measures: list[dict] = []
         """Every rank: bytes and waits of each switch it took part in (merged into switch_log)."""
@@ -264,6 +267,7 @@ class GroupEngine:
         for req in requests or []:
             self.scheduler.add(req)
         finished: list[Request] = []
+        self.ended_lengths = ([], [])  # a new call is a new group of prompts: its own length distribution
         steps = 0
         mid_step = False  # the plan is out: the other ranks are inside the step's collectives
         try:
@@ -285,7 +289,11 @@ class GroupEngine:
                 mid_step = False
                 samplers = [s.request for s in scheduled if s.samples]
                 tokens, logprobs = sample(logits, [r.spec for r in samplers], [r.generator for r in samplers])
-                finished.extend(self.scheduler.postprocess(scheduled, tokens, logprobs))
+                ended = self.scheduler.postprocess(scheduled, tokens, logprobs)
+                for r in ended:
+                    if r.finish_reason in ("stop", "length"):
+                        self.ended_lengths[r.finish_reason == "length"].append(r.num_output_tokens)
+                finished.extend(ended)
                 self.step_log.append({
                     "step": plan.step, "layout": self.layout.value, "requests": len(scheduled),
                     "rows": sum(s.num_new for s in scheduled),
@@ -354,6 +362,7 @@ class GroupEngine:
         """Rank 0, layout="auto": ask π for the next layout; a switch it chooses becomes pending."""
         from splash_rollout.scheduling.cost_model import StepBatch
 
+        from splash_rollout.scheduling.horizon import residual_tokens
         from splash_rollout.scheduling.policy import Waiting
 
         running = list(self.scheduler.running)
@@ -366,7 +375,8 @@ class GroupEngine:
                                [r.owner for r in running])
         waiting = Waiting.make([r.num_uncomputed_tokens for r in queued], [r.max_total_tokens for r in queued],
                                budget, self.scheduler.max_num_seqs)
-        remaining = [r.spec.max_new_tokens - r.num_output_tokens for r in running + queued]
+        remaining = residual_tokens([r.num_output_tokens for r in running + queued],
+                                    [r.spec.max_new_tokens for r in running + queued], *self.ended_lengths)
         first = not self.decision_log
         decision = self.policy.decide(None if first else self.layout, batch, remaining, self.steps_in_layout,
                                       [r.max_total_tokens for r in running], waiting)

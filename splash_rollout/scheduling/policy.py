@@ -10,7 +10,8 @@ Rules, in order:
 3. stay at least ``min_dwell_steps`` steps in a layout (hysteresis against oscillating loads);
 4. switch only if the candidate is faster by ``rel_margin`` and
    ``lead × horizon > overlapped switch cost + abs_margin_s``, where the horizon is a quantile of the
-   remaining max_new_tokens of the running requests (decode steps left).
+   running requests' decode steps left: the caller's estimate (the engine passes the median residual
+   length learned from the call's stopped samples, scheduling/horizon.py), at most max_new_tokens.
 
 Capacity counts when it changes admission (paper §5.3): with the requests queued behind the batch
 (``Waiting``), each layout is priced on the batch *it* would run -- the running requests plus the
@@ -42,7 +43,7 @@ class PolicyConfig:
     min_dwell_steps: int = 16
     """Steps to stay in a layout after entering it."""
     horizon_quantile: float = 0.5
-    """Quantile of the running requests' remaining tokens used as the horizon (steps)."""
+    """Quantile of the running requests' expected remaining tokens used as the horizon (steps)."""
     layouts: tuple[Layout, ...] = ALL_LAYOUTS
     """Layouts the policy may choose (deployments may rule some out)."""
 

@@ -165,3 +165,20 @@ def test_auto_runs_a_request_only_a_sharded_layout_can_hold():
     t = batch.timeline.to_dict()
     assert t["phases"][0]["layout"] in ("tp", "dop") and t["phases"][0]["steps"] > 0
     assert t["decisions"][0]["admitted"]["dp"] == 0 and t["decisions"][0]["chosen"] in ("tp", "dop")
+
+
+def test_auto_horizon_learns_from_samples_that_stopped():
+    """Samples that end at a stop token long before max_new_tokens: once enough have stopped, the
+    policy's horizon (steps the batch keeps running) is their median residual length, not the cap."""
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=96, seed=3, stop_token_ids=tuple(range(2, 60)))
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", page_size=16, max_num_batched_tokens=512)
+    with RolloutEngine(cfg) as engine:
+        batch = engine.generate([[5 + i] * (8 + i) for i in range(12)], params)
+    lengths = sorted(len(s.response_ids) for s in batch.samples)
+    assert sum(s.finish_reason == "stop" for s in batch.samples) >= 40 and lengths[len(lengths) // 2] < 20
+    decisions = batch.timeline.to_dict()["decisions"]
+    assert decisions[0]["horizon_steps"] == 96  # nothing has stopped yet: the cap
+    later = [d["horizon_steps"] for d in decisions if d["logged"] == "drained"]
+    # an early checkpoint may still say the cap: every sample that stopped was shorter than the ones
+    # running, which says nothing about how much longer those run; by the tail it has learned
+    assert later and later[-1] < 48, later
