@@ -23,15 +23,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from splash_rollout.bench.layouts import bench_on_rank  # noqa: E402
+from splash_rollout.cli_args import positive_ints  # noqa: E402
 from splash_rollout.distributed.launch import WorkerGroup  # noqa: E402
 from splash_rollout.layout.layouts import ALL_LAYOUTS  # noqa: E402
-
-
-def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",") if x]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def throughput(points: list[dict], output_len: int) -> list[dict]:
@@ -86,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", help="throughput per layout vs input length, one panel per batch size")
     ap.add_argument("--model", default="glm5-nano")
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--inputs", type=_ints, default=[64, 256, 1024], help="input lengths L_in")
-    ap.add_argument("--batches", type=_ints, default=[1, 4, 16], help="batch sizes B")
+    ap.add_argument("--inputs", type=positive_ints, default=[64, 256, 1024], help="input lengths L_in")
+    ap.add_argument("--batches", type=positive_ints, default=[1, 4, 16], help="batch sizes B")
     ap.add_argument("--output-len", type=int, default=32, help="L_out")
     ap.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
     ap.add_argument("--repeats", type=int, default=3, help="fresh batches per grid point (median)")

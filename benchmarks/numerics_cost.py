@@ -37,9 +37,6 @@ from splash_rollout.models.model import MLAForCausalLM  # noqa: E402
 from splash_rollout.models.numerics import NUMERICS_MODES, numerics  # noqa: E402
 from splash_rollout.models.tokenizer import load_tokenizer  # noqa: E402
 
-MODES = NUMERICS_MODES  # ("fast", "reproducible")
-
-
 def trainer_gap(model: MLAForCausalLM, batch, mode: str, micro_batch: int = 32) -> tuple[float, int]:
     """(max |engine - trainer| logprob, tokens over 1e-5): the trainer scores the samples in padded
     micro-batches of ``micro_batch`` sorted by length, as the recipe does."""
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = make_dataset(args.prompts * args.rounds, 2, ChainTaskConfig())[:]
     prompts = [tokenizer.encode(p) for p in rows["prompt"]]
     engines = {}
-    for mode in MODES:
+    for mode in NUMERICS_MODES:
         engines[mode] = RolloutEngine(EngineConfig(model="glm5-nano", world_size=args.world_size, layout=args.layout,
                                                    page_size=16, max_num_batched_tokens=2048, numerics=mode))
         engines[mode].update_weights(weights, version=1)
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk = prompts[r * args.prompts:(r + 1) * args.prompts]
             params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=100 + r,
                                     stop_token_ids=tuple(tokenizer.eos_token_ids))
-            for mode in MODES:
+            for mode in NUMERICS_MODES:
                 start = time.perf_counter()
                 batch = engines[mode].generate(chunk, params)
                 wall = time.perf_counter() - start
@@ -104,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for engine in engines.values():
             engine.shutdown()
-    speed = {m: statistics.median(x["tokens_per_s"] for x in records if x["numerics"] == m) for m in MODES}
+    speed = {m: statistics.median(x["tokens_per_s"] for x in records if x["numerics"] == m) for m in NUMERICS_MODES}
     out = {"tokens_per_s": speed, "slowdown": speed["fast"] / speed["reproducible"],
-           "logprob_diff_max": {m: max(x["logprob_diff_max"] for x in records if x["numerics"] == m) for m in MODES},
-           "tokens_over_1e-5": {m: sum(x["tokens_over_1e-5"] for x in records if x["numerics"] == m) for m in MODES},
+           "logprob_diff_max": {m: max(x["logprob_diff_max"] for x in records if x["numerics"] == m) for m in NUMERICS_MODES},
+           "tokens_over_1e-5": {m: sum(x["tokens_over_1e-5"] for x in records if x["numerics"] == m) for m in NUMERICS_MODES},
            "rounds": records,
            "workload": {"weights": args.weights or "glm5-nano seed 0", "world_size": args.world_size,
                         "layout": args.layout, "prompts": args.prompts, "n": args.n,

@@ -11,18 +11,9 @@ import json
 import sys
 import time
 
+from splash_rollout.cli_args import positive_ints
 from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.models.numerics import NUMERICS_MODES
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def cmd_layouts(args) -> dict:
@@ -94,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     lay = verbs.add_parser("layouts", help="per-layout step latency over batch x context")
     lay.add_argument("--model", default="glm5-nano")
     lay.add_argument("--world-size", type=int, default=2)
-    lay.add_argument("--batches", type=_ints, default=[1, 4, 16])
-    lay.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
+    lay.add_argument("--batches", type=positive_ints, default=[1, 4, 16])
+    lay.add_argument("--contexts", type=positive_ints, default=[64, 256, 1024])
     lay.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
     lay.add_argument("--repeats", type=int, default=5, help="rounds per grid point (median)")
     lay.add_argument("--numerics", choices=NUMERICS_MODES, default="fast", help="engine numerics (models/numerics.py)")
@@ -112,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     cm.add_argument("--profile", default="cpu", help="preset name or YAML from python -m splash_rollout.calibrate")
     cm.add_argument("--model", default="glm5-nano")
     cm.add_argument("--world-size", type=int, default=2)
-    cm.add_argument("--batches", type=_ints, default=[1, 4, 16])
-    cm.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
+    cm.add_argument("--batches", type=positive_ints, default=[1, 4, 16])
+    cm.add_argument("--contexts", type=positive_ints, default=[64, 256, 1024])
     cm.add_argument("--layouts", type=lambda t: t.split(","), default=[l.value for l in ALL_LAYOUTS])
     cm.add_argument("--repeats", type=int, default=5, help="rounds per grid point (median; ties between layouts are within a few %%)")
     cm.add_argument("--numerics", choices=NUMERICS_MODES, default="fast", help="engine numerics (models/numerics.py)")

@@ -20,6 +20,7 @@ import json
 import sys
 import time
 
+from splash_rollout.cli_args import positive_ints
 from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.scheduling.profile import CollectiveCost, HardwareProfile, save_profile
 
@@ -85,13 +86,6 @@ def fit_measured(profile: HardwareProfile, points: list[dict], model: str) -> tu
     return fitted, {"model": model, "fit": report, "points": points, "microbenchmarks": profile.to_dict()}
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",") if x]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m splash_rollout.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks T to measure")
@@ -99,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profile.yaml", help="YAML profile path")
     parser.add_argument("--no-engine-fit", action="store_true", help="microbenchmarks only (seconds, not minutes)")
     parser.add_argument("--model", default="glm5-nano", help="model the engine grid runs")
-    parser.add_argument("--batches", type=_ints, default=list(CAL_BATCHES), help="engine grid batch sizes")
-    parser.add_argument("--contexts", type=_ints, default=list(CAL_CONTEXTS), help="engine grid prompt lengths")
+    parser.add_argument("--batches", type=positive_ints, default=list(CAL_BATCHES), help="engine grid batch sizes")
+    parser.add_argument("--contexts", type=positive_ints, default=list(CAL_CONTEXTS), help="engine grid prompt lengths")
     parser.add_argument("--repeats", type=int, default=3, help="fresh batches per grid point (median)")
     parser.add_argument("--measured", help="fit a grid measured before (its --points-json) instead of measuring")
     parser.add_argument("--points-json", help="write the measured grid and the fit report here")

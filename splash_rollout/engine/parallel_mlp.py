@@ -14,7 +14,7 @@ from torch import nn
 
 from splash_rollout.layout.arith import div_even
 from splash_rollout.models.moe import DenseMLP, MoE, run_experts
-from splash_rollout.models.numerics import linear, round_to
+from splash_rollout.models.numerics import linear
 
 
 class DenseShard(nn.Module):
@@ -60,7 +60,7 @@ class ParallelFeedForward(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return round_to(self.comm.all_reduce(self.shard(x), tag="step/mlp"), x.dtype)
+        return self.comm.all_reduce(self.shard(x), tag="step/mlp").to(x.dtype)  # partials may be float64
 
 
 def shard_feed_forward(model: nn.Module, rank: int, world_size: int, comm) -> None:

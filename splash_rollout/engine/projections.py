@@ -62,7 +62,7 @@ class ProjectionShard:
     def output(self, attn, out_latent: torch.Tensor) -> torch.Tensor:
         """out_latent [N, h, kv_lora] -> [N, hidden]: W_UV then this shard's o_proj columns
         (a partial sum over heads when the shard is H/T of them: then it stays in the accumulation
-        dtype, and the caller rounds it after the all-reduce with ``numerics.round_to``)."""
+        dtype, and the caller rounds it after the all-reduce)."""
         w_uv = self._kv_b(attn)[:, attn.nope_dim:, :].transpose(1, 2)  # [h, r, v]
         v = einsum("nhr,hrv->nhv", out_latent, w_uv)
         return linear(v.reshape(v.shape[0], -1), self.o, keep=self.num_heads < attn.num_heads)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash_rollout.models.config import ModelConfig
-from splash_rollout.models.numerics import Linear, acc_dtype, linear, numerics_mode, round_to
+from splash_rollout.models.numerics import Linear, linear, partial_dtype
 
 
 class DenseMLP(nn.Module):
@@ -70,7 +70,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
     ids); ``experts`` hold ids [first_expert, first_expert + len); others contribute nothing here
     (expert parallelism sums the ranks' parts). Returns [N, hidden] in x's dtype, or float64 in
     reproducible numerics (a partial sum: the caller adds the shared expert / other ranks, then rounds)."""
-    out = torch.zeros(x.shape, dtype=x.dtype if numerics_mode() == "fast" else acc_dtype(x.dtype), device=x.device)
+    out = torch.zeros(x.shape, dtype=partial_dtype(x.dtype), device=x.device)
     local = idx - first_expert
     mine = (local >= 0) & (local < len(experts))
     for e in torch.unique(local[mine]).tolist():  # one host sync, then only the experts that got tokens
@@ -94,4 +94,4 @@ class MoE(nn.Module):
         out = run_experts(x, idx, weight, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, keep=True)
-        return round_to(out, x.dtype)
+        return out.to(x.dtype)

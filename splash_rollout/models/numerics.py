@@ -17,7 +17,8 @@ relative, so its float32 rounding does not depend on the order the kernel chose:
 bit-for-bit across batch sizes, padding, prefill chunking and layouts (except when a value falls
 within 1e-16 of a rounding boundary). Partial sums that ranks add together (row-parallel o_proj
 and FFN-down outputs, CP's partial attention) stay float64 through the collective (``keep=True``)
-and are rounded after it, so a sharded sum rounds exactly like the trainer's unsharded one.
+and are rounded (``.to(activation dtype)``) after it, so a sharded sum rounds exactly like the
+trainer's unsharded one.
 
 The mode is process-wide: the engine sets it on every rank from ``EngineConfig.numerics``, and a
 trainer sharing the process computes its logprobs under the same rules. It costs float64 matmul
@@ -64,6 +65,12 @@ def acc_dtype(dtype: torch.dtype = torch.float32) -> torch.dtype:
     return _accumulate if _accumulate is not None else torch.promote_types(dtype, torch.float32)
 
 
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype a partial sum of ``dtype`` activations is kept in until it is complete: float64 in
+    reproducible mode, else ``dtype`` itself (what ``linear(..., keep=True)`` returns)."""
+    return _accumulate if _accumulate is not None else dtype
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
     """F.linear; in reproducible mode accumulated in float64. The result has ``weight``'s dtype, or
     stays float64 with ``keep`` (a partial sum that a collective or a later sum completes)."""
@@ -73,20 +80,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if keep else y.to(weight.dtype)
 
 
-def einsum(equation: str, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
-           keep: bool = False) -> torch.Tensor:
-    """Two-operand torch.einsum; in reproducible mode accumulated in float64. The result has
-    ``out_dtype`` (default: ``b``'s dtype, the weight in the model's calls), or float64 with ``keep``."""
+def einsum(equation: str, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Two-operand torch.einsum of activations and a weight; in reproducible mode accumulated in
+    float64 and rounded to ``weight``'s dtype."""
     if _accumulate is None:
-        y = torch.einsum(equation, a, b)
-        return y if out_dtype is None else y.to(out_dtype)
-    y = torch.einsum(equation, a.to(_accumulate), b.to(_accumulate))
-    return y if keep else y.to(b.dtype if out_dtype is None else out_dtype)
-
-
-def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Finish a kept partial sum: cast to the activation dtype (no-op in fast mode's dtypes)."""
-    return x if x.dtype == dtype else x.to(dtype)
+        return torch.einsum(equation, a, weight)
+    return torch.einsum(equation, a.to(_accumulate), weight.to(_accumulate)).to(weight.dtype)
 
 
 class Linear(nn.Linear):

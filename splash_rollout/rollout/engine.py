@@ -17,6 +17,7 @@ import torch
 from splash_rollout.engine.engine import Engine
 from splash_rollout.engine.kv_pool import KVPoolSpec
 from splash_rollout.engine.request import Request, SamplingSpec
+from splash_rollout.engine.weight_update import validate_update
 from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.models.numerics import numerics_mode, set_numerics
 from splash_rollout.rollout.config import EngineConfig
@@ -409,21 +410,15 @@ class RolloutEngine:
         self._check_usable("update_weights")
         self._check_awake("update_weights")
         if self.engine is not None:
-            from splash_rollout.engine.weight_update import validate_update
-
             validate_update(named_tensors, {n: (tuple(p.shape), p.dtype) for n, p in self.model.state_dict().items()})
             with torch.no_grad():
                 state = self.model.state_dict()
                 for name, t in named_tensors.items():
                     state[name].copy_(t)
         elif self.group is not None:
-            from splash_rollout.engine.weight_update import validate_update
-
             validate_update(named_tensors, self._full_shapes)  # here, before anything is sent
             self._on_ranks(worker_update_weights, dict(named_tensors))
         else:
-            from splash_rollout.engine.weight_update import validate_update
-
             validate_update(named_tensors, self.group_engine.full_shapes)  # an input error, not a rank failure
             try:
                 self.group_engine.update_weights(named_tensors)

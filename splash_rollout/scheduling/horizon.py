@@ -35,14 +35,15 @@ def residual_tokens(generated, max_new, stopped_lengths, censored_lengths=(), mi
         return cap
     censored = np.concatenate([np.asarray(censored_lengths, dtype=np.int64).reshape(-1), g])
     times, deaths = np.unique(stops, return_counts=True)  # event times (increasing), stops at each
-    at_risk = (stops[None, :] >= times[:, None]).sum(1) + (censored[None, :] >= times[:, None]).sum(1)
-    survival = np.cumprod(1.0 - deaths / at_risk)  # S(t) just after each event time
+    everyone = np.sort(np.concatenate([stops, censored]))
+    at_risk = everyone.size - np.searchsorted(everyone, times, side="left")  # lengths >= each time
+    survival = np.cumprod(1.0 - deaths / at_risk)  # S(t) just after each event time, non-increasing
     # S(g): survival just after the last event time <= g (1 before the first)
     k = np.searchsorted(times, g, side="right") - 1
     s_g = np.where(k >= 0, survival[np.clip(k, 0, None)], 1.0)
-    out = cap.copy()
-    for i in range(g.size):
-        later = np.nonzero((times > g[i]) & (survival <= 0.5 * s_g[i] + 1e-12))[0]  # products of fractions
-        if later.size:
-            out[i] = min(int(times[later[0]] - g[i]), int(cap[i]))
-    return out
+    # first event time where S has halved since g (the 1e-12: products of fractions); S being
+    # non-increasing and S(g) > that threshold, it lies after g
+    half = np.searchsorted(-survival, -(0.5 * s_g + 1e-12), side="left")
+    found = (half < times.size) & (s_g > 1e-11)
+    residual = times[np.minimum(half, times.size - 1)] - g
+    return np.where(found, np.minimum(residual, cap), cap)

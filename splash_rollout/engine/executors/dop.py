@@ -13,7 +13,6 @@ from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.executors.dp import rows_by_owner
 from splash_rollout.engine.executors.single import dsa_allowed
 from splash_rollout.engine.forward_batch import ForwardBatch
-from splash_rollout.models.numerics import round_to
 
 
 class DOPExecutor(AttentionExecutor):
@@ -47,4 +46,4 @@ class DOPExecutor(AttentionExecutor):
         back = s.comm.all_to_all_uneven(send, [n_mine] * t, counts, tag="step/attn")  # [N, h, r]
         out_latent = torch.empty_like(back)
         out_latent[order] = back
-        return round_to(s.comm.all_reduce(shard.output(attn, out_latent), tag="step/attn"), x.dtype)
+        return s.comm.all_reduce(shard.output(attn, out_latent), tag="step/attn").to(x.dtype)  # partials may be float64

@@ -7,7 +7,6 @@ import torch
 from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
-from splash_rollout.models.numerics import round_to
 
 
 class TPExecutor(AttentionExecutor):
@@ -17,4 +16,4 @@ class TPExecutor(AttentionExecutor):
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = self.s
         partial = attend_local(attn, s.shards[attn.layer_idx], s.pool, s.backend, x, batch)  # [N, hidden]
-        return round_to(s.comm.all_reduce(partial, tag="step/attn"), x.dtype)
+        return s.comm.all_reduce(partial, tag="step/attn").to(x.dtype)  # partials may be float64
