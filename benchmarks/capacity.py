@@ -9,7 +9,7 @@ request's worst case (prompt + max_new_tokens), so the number of requests runnin
 by the pool alone.
 
 For each layout (and ``auto``) the script builds the engine exactly as ``RolloutEngine`` does
-(``rollout.ranks.build_group_engine``) on spawned ranks, serves ``--requests`` identical requests
+(``rollout.ranks.build_engine``) on spawned ranks, serves ``--requests`` identical requests
 and reads the step log: the largest running batch, steps and wall time. It also reports the
 ownership model's pool tokens per rank and distinct tokens per group, and the concurrency the
 admission rule predicts on empty pools (``KVPlacement``), which the measured one must equal.
@@ -35,13 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from splash_rollout import EngineConfig  # noqa: E402
 from splash_rollout.distributed.launch import WorkerGroup  # noqa: E402
-from splash_rollout.engine.group_engine import pages_per_rank, sizes_for  # noqa: E402
+from splash_rollout.engine.engine import pages_per_rank, sizes_for  # noqa: E402
 from splash_rollout.engine.placement import KVPlacement  # noqa: E402
 from splash_rollout.engine.request import Request, SamplingSpec  # noqa: E402
 from splash_rollout.layout.footprint import RankBudget, footprints  # noqa: E402
 from splash_rollout.layout.layouts import ALL_LAYOUTS, Layout  # noqa: E402
 from splash_rollout.models.config import resolve_model  # noqa: E402
-from splash_rollout.rollout.ranks import TORCH_DTYPES, build_group_engine  # noqa: E402
+from splash_rollout.rollout.ranks import TORCH_DTYPES, build_engine  # noqa: E402
 
 SYSTEMS = tuple(l.value for l in ALL_LAYOUTS) + ("auto",)
 
@@ -67,9 +67,9 @@ def predicted_concurrency(layout: Layout, pages: int, world_size: int, page_size
 
 def serve_on_rank(ctx, config: EngineConfig, num: int, prompt_len: int, max_new: int) -> dict | None:
     """Every rank: build the engine as RolloutEngine does, serve the requests; rank 0 reports."""
-    engine = build_group_engine(config, ctx.groups)
+    engine = build_engine(config, ctx.groups)
     cfg = resolve_model(config.model)
-    reqs = make_requests(num, prompt_len, max_new, cfg.vocab_size, cfg.max_position_embeddings) if ctx.rank == 0 else None
+    reqs = make_requests(num, prompt_len, max_new, cfg.vocab_size, cfg.max_position_embeddings)  # every rank: a replica each
     start = time.perf_counter()
     finished = engine.serve(reqs)
     wall = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """Per-layout step latency on T CPU ranks over a grid of batch size x context (prefill and decode).
 
-Every rank builds one GroupEngine per layout (each on its own copy of the same weights). For every grid point, ``repeats``
+Every rank builds one Engine per layout (each on its own copy of the same weights). For every grid point, ``repeats``
 rounds run; each round serves a fresh batch of B requests with ``context``-token prompts in every
 layout back to back, so a burst of load from other processes hits all layouts alike instead of
 whichever layout happened to run then. The first step of a batch prefills every prompt at once (the
@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from splash_rollout.engine.group_engine import GroupEngine
+from splash_rollout.engine.engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import resolve_model
@@ -26,7 +26,8 @@ DECODE_STEPS = 6
 
 
 def bench_on_rank(ctx, model: str, layouts: str | list[str], batches: list[int], contexts: list[int],
-                  page_size: int = 16, repeats: int = 3, seed: int = 0, numerics: str = "fast") -> list[dict] | None:
+                  page_size: int = 16, repeats: int = 3, seed: int = 0, numerics: str = "fast",
+                  attention_backend: str = "torch") -> list[dict] | None:
     """Every rank: run the grid in each of ``layouts`` (one name or several, interleaved per round)
     under ``numerics`` (models/numerics.py); rank 0 returns one record per layout and grid point
     (``{"layout", "batch", "context", "repeats", "prefill_ms", "decode_ms"}``), others None."""
@@ -36,19 +37,19 @@ def bench_on_rank(ctx, model: str, layouts: str | list[str], batches: list[int],
     cfg = resolve_model(model)
     most = max(batches) * (max(contexts) + DECODE_STEPS + page_size)
     # each engine shards its own copy of the model (same seed: same weights)
-    engines = {name: GroupEngine(MLAForCausalLM.from_config(cfg, seed=0).eval(), cfg, ctx.groups, layout=Layout.parse(name),
-                                 num_pages=most // page_size + max(batches) + 1, page_size=page_size,
-                                 max_num_batched_tokens=max(batches) * max(contexts), max_num_seqs=max(batches))
+    settings = {name: EngineSettings(layout=Layout.parse(name), num_pages=most // page_size + max(batches) + 1,
+                                     page_size=page_size, max_num_batched_tokens=max(batches) * max(contexts),
+                                     max_num_seqs=max(batches), attention_backend=attention_backend)
+                for name in names}
+    engines = {name: Engine(MLAForCausalLM.from_config(cfg, seed=0).eval(), cfg, ctx.groups, settings[name])
                for name in names}
 
-    def run(engine: GroupEngine, b: int, s: int, draw: int) -> list[dict] | None:
-        reqs = None
-        if ctx.rank == 0:
-            g = torch.Generator().manual_seed(seed * 7919 + b * 100003 + s * 31 + draw)
-            reqs = [Request(i, torch.randint(3, cfg.vocab_size, (s,), generator=g).tolist(),
-                            SamplingSpec(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True),
-                            cfg.max_position_embeddings) for i in range(b)]
-            engine.step_log.clear()
+    def run(engine: Engine, b: int, s: int, draw: int) -> list[dict] | None:
+        g = torch.Generator().manual_seed(seed * 7919 + b * 100003 + s * 31 + draw)  # the same requests on every rank
+        reqs = [Request(i, torch.randint(3, cfg.vocab_size, (s,), generator=g).tolist(),
+                        SamplingSpec(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True),
+                        cfg.max_position_embeddings) for i in range(b)]
+        engine.step_log.clear()
         engine.serve(reqs)
         return list(engine.step_log) if ctx.rank == 0 else None
 

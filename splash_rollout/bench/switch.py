@@ -13,7 +13,7 @@ from itertools import combinations
 
 import torch
 
-from splash_rollout.engine.group_engine import GroupEngine
+from splash_rollout.engine.engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.models.config import resolve_model
@@ -30,15 +30,13 @@ def bench_switch_on_rank(ctx, model: str, batch: int, context: int, runs: int, p
     cfg = resolve_model(model)
     out = []
     for a, b in combinations(ALL_LAYOUTS, 2):
-        engine = GroupEngine(MLAForCausalLM.from_config(cfg, seed=0).eval(), cfg, ctx.groups, layout=a,
-                             num_pages=batch * (context + 8 * runs + 64) // page_size + batch, page_size=page_size,
-                             max_num_batched_tokens=batch * context, max_num_seqs=batch)
-        reqs = None
-        if ctx.rank == 0:
-            g = torch.Generator().manual_seed(11)
-            reqs = [Request(i, torch.randint(3, cfg.vocab_size, (context,), generator=g).tolist(),
-                            SamplingSpec(temperature=0.0, max_new_tokens=10 * runs, ignore_eos=True),
-                            cfg.max_position_embeddings) for i in range(batch)]
+        settings = EngineSettings(layout=a, num_pages=batch * (context + 8 * runs + 64) // page_size + batch,
+                                  page_size=page_size, max_num_batched_tokens=batch * context, max_num_seqs=batch)
+        engine = Engine(MLAForCausalLM.from_config(cfg, seed=0).eval(), cfg, ctx.groups, settings)
+        g = torch.Generator().manual_seed(11)  # the same requests on every rank
+        reqs = [Request(i, torch.randint(3, cfg.vocab_size, (context,), generator=g).tolist(),
+                        SamplingSpec(temperature=0.0, max_new_tokens=10 * runs, ignore_eos=True),
+                        cfg.max_position_embeddings) for i in range(batch)]
         engine.serve(reqs, max_steps=1)  # prefill all
         times: dict[tuple, list[float]] = {}
         for blocking in (False, True):

@@ -74,7 +74,7 @@ def calibrate(world_size: int, memory_gib: float, fit_engine: bool = True, model
 def fit_measured(profile: HardwareProfile, points: list[dict], model: str) -> tuple[HardwareProfile, dict]:
     import torch
 
-    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.engine.engine import sizes_for
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.fit import fit_profile
 

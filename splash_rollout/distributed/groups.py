@@ -1,4 +1,4 @@
-"""Process groups, made in one place (STYLE 4): compute, switch transfer, CPU control.
+"""Process groups, made in one place and passed to every collective: compute, switch transfer, CPU control.
 
 * ``compute``: the step's own collectives (all-reduce after o_proj, DOP's all-to-alls, CP's merge).
 * ``transfer``: switch transfers (weights and KV of layer i while layer i-1 computes), a separate
@@ -32,6 +32,11 @@ class ProcessGroups:
     transfer: object
     control: object
     timeout_s: float
+
+    @classmethod
+    def single(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> "ProcessGroups":
+        """One rank in this process, no torch.distributed: every collective is a no-op."""
+        return cls(0, 1, "none", None, None, None, timeout_s)
 
     @property
     def device(self) -> torch.device:

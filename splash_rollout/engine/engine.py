@@ -1,106 +1,425 @@
-"""Engine: the single-process step loop -- schedule → run → postprocess.
+"""Engine: the inference engine on one rank of a T-rank group (T = 1 included) -- one code path.
 
-Owns the page manager, KV pool, scheduler, model runner and sampler for one rank. The rollout layer
-(``splash_rollout.rollout.engine.RolloutEngine``) turns prompts and SamplingParams into Requests and
-reads the finished ones back.
+Every rank runs the same scheduler replica (admission, owners, page grants, chunked prefill,
+switch re-placement: all deterministic) and keeps its own page tables (``BlockTable``, a device
+tensor) and KV pool. Rank 0 is the driver: it samples, and decides what no replica can compute --
+the layout (``LayoutDriver``), when to stop -- and before each step sends every rank one small
+``StepControl`` (the tokens it sampled last step, a switch order, stop). A step then reads like the
+algorithm::
+
+    control = exchange(decide())        # rank 0 decides, every rank hears it
+    apply(previous step, control.tokens) # the other ranks catch up on the sampled tokens
+    enter(control.switch)                # a live switch: every rank re-places the same way
+    scheduled = scheduler.schedule()     # the same on every rank
+    logits = forward(batch of scheduled) # this rank's part, through its layout's executor
+    sample + postprocess                 # rank 0
+
+Each rank holds only its share of the weights: the switchable projections of its layout's head
+slice (``ProjectionShard``), its feed-forward shard, and the replicated rest.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
 import torch
 
+from splash_rollout.distributed.collectives import Comm
+from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.engine.attention import get_backend
-from splash_rollout.engine.executors.single import SingleRankExecutor
+from splash_rollout.engine.block_table import BlockTable
+from splash_rollout.engine.executors.cp import CPExecutor
+from splash_rollout.engine.executors.dop import DOPExecutor
+from splash_rollout.engine.executors.dp import DPExecutor
+from splash_rollout.engine.executors.tp import TPExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
+from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
+from splash_rollout.engine.layout_driver import LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
+from splash_rollout.engine.parallel_mlp import shard_feed_forward
 from splash_rollout.engine.placement import KVPlacement
-from splash_rollout.engine.projections import slice_projections
+from splash_rollout.engine.projections import drop_full_projections, slice_projections
+from splash_rollout.engine.rank_state import RankState
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.sampler import sample
-from splash_rollout.engine.scheduler import Scheduler, ScheduledSeq
+from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
+from splash_rollout.engine.step_control import StepControl, exchange
+from splash_rollout.engine.switch_step import RankSwitch, SwitchOrder, merge_measures
+from splash_rollout.layout.bytes import AttentionBytes
+from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
+from splash_rollout.layout.rank_view import RankView
 from splash_rollout.models.config import ModelConfig
+
+EXECUTORS = {Layout.TP: TPExecutor, Layout.DP: DPExecutor, Layout.DOP: DOPExecutor, Layout.CP: CPExecutor}
+_BYTES_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
+
+
+def sizes_for(config: ModelConfig, dtype: torch.dtype) -> AttentionBytes:
+    """The ownership model's byte table for this engine's dtype (weights and KV stored alike)."""
+    name = _BYTES_NAME[dtype]
+    return AttentionBytes.from_model(config, name, name)
+
+
+def pages_per_rank(config: ModelConfig, layout: Layout, world_size: int, budget_bytes: int, page_size: int,
+                   dtype: torch.dtype) -> int:
+    """KV pages one rank gets from ``budget_bytes`` after its layout's attention weights."""
+    sizes = sizes_for(config, dtype)
+    weights = (sizes.w_a // world_size if layout.shards_projections else sizes.w_a) + sizes.w_replicated
+    return pool_tokens(budget_bytes, weights, sizes.kv_bytes_per_token_total, page_size) // page_size
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How an engine serves (the model and the ranks come separately)."""
+
+    layout: Layout = Layout.TP
+    num_pages: int = 256
+    """KV pages per rank in ``layout`` (ignored where ``pages_by_layout`` names the layout)."""
+    page_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    attention_backend: str = "torch"
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    pages_by_layout: dict[Layout, int] | None = None
+    """KV pages per rank in each layout under one memory budget (memory follows the layout on a
+    switch); None keeps ``num_pages`` in every layout."""
+    switch_schedule: dict[int, Layout] = field(default_factory=dict)
+    """Engine step -> layout to switch to at that step (tests and benchmarks)."""
+
+    @property
+    def initial_pages(self) -> int:
+        return self.pages_by_layout[self.layout] if self.pages_by_layout else self.num_pages
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What rank 0 tells a serve call's ``on_step`` after each step."""
+
+    step: int
+    layout: str
+    done: int
+    """Requests of this call finished so far."""
+    total: int
+    """Requests of this call (finished + still queued or running)."""
+    new_tokens: int
+    """Tokens sampled in this step."""
+    seconds: float
+
+
+@dataclass
+class _Step:
+    """What a rank remembers of the step it just ran until the next control message."""
+
+    scheduled: list[ScheduledSeq]
+    rows: int
+    tokens: np.ndarray | None = None
+    """[R] int32 on rank 0: the sampled tokens."""
+    finished: list[Request] = field(default_factory=list)
+    """Rank 0: the requests that finished in this step."""
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, *, num_pages: int, page_size: int = 16,
-                 max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
-                 attention_backend: str = "torch_ref", dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", pool_spec: KVPoolSpec | None = None) -> None:
-        """pool_spec: what this rank caches per token (a rank view's local numbers); default: the
-        whole model's latent cache, which is what a single rank holds."""
-        self.config = config
-        self.device = torch.device(device)
-        self.page_size = page_size
-        self.placement = KVPlacement([num_pages], page_size, Layout.TP)
-        self.pages = self.placement.managers[0]
-        self.pool = KVPool(pool_spec or KVPoolSpec.from_model(config), num_pages, page_size, dtype, device)
-        self.scheduler = Scheduler(self.placement, max_num_batched_tokens, max_num_seqs)
-        self.shards = [slice_projections(layer.self_attn, slice(0, config.num_heads)) for layer in model.model.layers]
-        """All heads: views of the modules' own weights."""
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, groups: ProcessGroups,
+                 settings: EngineSettings = EngineSettings(), *, policy=None,
+                 heartbeat: Callable[[dict], None] | None = None,
+                 should_abort: Callable[[], bool] | None = None) -> None:
+        """policy: a scheduling.LayoutPolicy on rank 0 (layout="auto"); heartbeat: called on every
+        rank after each step with {step, finished} (a spawned rank's sign of life); should_abort:
+        polled by rank 0 at each step boundary -- when true every unfinished request of the call is
+        aborted (finish_reason ``abort``, pages freed) and ``serve`` returns normally."""
+        t, rank = groups.world_size, groups.rank
+        self.config, self.groups, self.settings = config, groups, settings
+        self.rank, self.world_size, self.page_size = rank, t, settings.page_size
+        self.device = torch.device(settings.device)
+        self.full_shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.state_dict().items()}
+        """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against."""
+        self.comm = Comm(groups.compute, rank, t)
+        self.transfer = Comm(groups.transfer, rank, t, self.comm.counter)
+        self.control = Comm(groups.control, rank, t, self.comm.counter)
+        model.to(self.device)
+        if t > 1:
+            shard_feed_forward(model, rank, t, self.comm)
+        view = RankView(settings.layout, rank, t, config.num_heads)
+        shards = [slice_projections(layer.self_attn, view.head_slice) for layer in model.model.layers]
+        for layer in model.model.layers:
+            drop_full_projections(layer.self_attn)
+        num_pages = settings.initial_pages
+        pool = KVPool(KVPoolSpec.from_model(config), num_pages, settings.page_size, settings.dtype, self.device)
+        self.state = RankState(view, pool, get_backend(settings.attention_backend), shards, self.comm)
         self.model = model
-        self.runner = ModelRunner(model, SingleRankExecutor(self.pool, get_backend(attention_backend), self.shards))
+        self.runner = ModelRunner(model, EXECUTORS[settings.layout](self.state))
+        self.scheduler = Scheduler(KVPlacement([num_pages] * t, settings.page_size, settings.layout),
+                                   settings.max_num_batched_tokens, settings.max_num_seqs,
+                                   ever_admits=self.can_ever_admit)
+        """This rank's replica: the same decisions on every rank."""
+        self.block_table = BlockTable(settings.max_num_seqs, self.device)
+        self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule)
+        self.heartbeat, self.should_abort = heartbeat, should_abort
         self.num_steps = 0
+        self.step_log: list[dict] = []
+        """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds)."""
+        self.switch_log: list[dict] = []
+        """Rank 0: one record per switch or deferral."""
+        self.switch_measures: list[dict] = []
+        """Every rank: bytes and waits of each switch it took part in (merged into switch_log)."""
         self._offload: TensorOffload | None = None
+        """While asleep: the weights' storages, moved out of tensor memory (engine/sleep.py)."""
+        self.failed: str | None = None
+        """Why a ``serve`` failed on this rank. The ranks are then out of step (some may have left a
+        collective, a switch may be half-moved), so this engine refuses every later call."""
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add(request)
+    @classmethod
+    def single(cls, model: torch.nn.Module, config: ModelConfig, settings: EngineSettings = EngineSettings(),
+               **kwargs) -> "Engine":
+        """One rank in this process (T = 1): the same engine, with collectives that are no-ops."""
+        return cls(model, config, ProcessGroups.single(), settings, **kwargs)
 
     @property
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+    def layout(self) -> Layout:
+        return self.state.view.layout
 
-    def step(self) -> list[Request]:
-        """One engine step; returns the requests that finished in it."""
-        if self.asleep:
-            raise RuntimeError("step: the engine is asleep; call wake_up() first")
+    @property
+    def decision_log(self) -> list[dict]:
+        return self.driver.decision_log
+
+    # ---- serving (every rank) -----------------------------------------------------------------
+    def serve(self, requests: list[Request] | None = None, max_steps: int | None = None,
+              on_step: Callable[[StepEvent], None] | None = None) -> list[Request] | None:
+        """Run a batch of requests to completion. Every rank passes the same requests (a replica
+        each); rank 0 returns the finished ones, the other ranks None. With ``max_steps`` the call
+        stops early and leaves the rest running for the next call. ``on_step`` (rank 0) sees every step."""
+        if self.asleep:  # every rank refuses before any collective; the engine stays usable
+            raise RuntimeError("serve: the engine is asleep; call wake_up() first")
+        if self.failed is not None:
+            raise RuntimeError(f"Engine (rank {self.rank}): unusable after an earlier failure ({self.failed}); "
+                               f"build a new engine")
+        try:
+            return self._serve(requests or [], max_steps, on_step)
+        except BaseException as e:
+            self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            raise
+
+    def _serve(self, requests: list[Request], max_steps: int | None, on_step) -> list[Request] | None:
+        for req in requests:
+            self.scheduler.add(req)
+        self.driver.new_call()
+        finished: list[Request] = []
+        prev: _Step | None = None
+        steps = 0
+        mid_step = False  # between the control message and the end of the step
+        try:
+            while True:
+                control, nbytes = exchange(self.control, self._decide(prev, steps, max_steps)
+                                           if self.rank == 0 else None)
+                if self.rank != 0 and prev is not None:
+                    self._apply_tokens(prev, control)
+                if control.failed is not None:
+                    raise RuntimeError(f"rank {self.rank}: the driver (rank 0) failed: {control.failed}")
+                if control.stop:
+                    if control.abort:
+                        finished.extend(self._abort_all())
+                    break
+                mid_step = True
+                prev = self._step(control.switch, nbytes)
+                mid_step = False
+                steps += 1
+                if self.rank == 0:
+                    ended = prev.finished
+                    finished.extend(ended)
+                    self.driver.observe_finished(ended)
+                    if on_step is not None:
+                        waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
+                        on_step(StepEvent(self.num_steps - 1, self.layout.value, len(finished), len(finished) + waiting,
+                                          int(prev.tokens.shape[0]), self.step_log[-1]["seconds"]))
+                if self.heartbeat is not None:
+                    self.heartbeat({"step": self.num_steps, "finished": len(finished)})
+        except BaseException as e:
+            if self.rank == 0 and not mid_step and self.world_size > 1:
+                try:  # they wait for a control message: tell them. Mid-step they sit in a collective
+                    exchange(self.control, StepControl(None, 0, stop=True, failed=f"{type(e).__name__}: {e}"))
+                except Exception:  # noqa: BLE001 - the cause is raised below
+                    pass
+            self._abort_all()
+            raise
+        merge_measures(self.control, self.switch_measures, self.switch_log if self.rank == 0 else None)
+        self.switch_measures = []
+        return finished if self.rank == 0 else None
+
+    def _decide(self, prev: _Step | None, steps: int, max_steps: int | None) -> StepControl:
+        """Rank 0 at a step boundary: stop, abort, or go on (with a switch the driver chose)."""
+        tokens = prev.tokens if prev is not None else None
+        rows = prev.rows if prev is not None else 0
+        if self.should_abort is not None and self.should_abort():
+            return StepControl(tokens, rows, stop=True, abort=True)
+        if not self.scheduler.has_unfinished or (max_steps is not None and steps >= max_steps):
+            return StepControl(tokens, rows, stop=True)
+        return StepControl(tokens, rows, self.driver.at_boundary(self.layout, self.num_steps, self.scheduler))
+
+    def _apply_tokens(self, prev: _Step, control: StepControl) -> None:
+        """A non-driver rank: finish its previous step with the tokens rank 0 sampled."""
+        if control.rows != prev.rows:
+            raise RuntimeError(f"rank {self.rank}: scheduler replica diverged from the driver: it ran "
+                               f"{prev.rows} rows in step {self.num_steps - 1}, rank 0 ran {control.rows}")
+        tokens = control.tokens if control.tokens is not None else np.zeros(0, dtype=np.int32)
+        self._postprocess(prev.scheduled, torch.from_numpy(tokens.astype(np.int64)),
+                          torch.zeros(len(tokens), dtype=torch.float32))
+
+    def _step(self, switch: tuple[Layout, bool] | None, control_bytes: int) -> "_Step":
+        start = time.perf_counter()
+        order = self._enter(*switch) if switch is not None else None
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise RuntimeError("step: nothing schedulable although requests are pending")
-        tokens, logprobs = self.run(scheduled)
-        return self.scheduler.postprocess(scheduled, tokens, logprobs)
-
-    def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = ForwardBatch.build(
-            [(s.request.token_ids, s.start, s.num_new, s.request.pages, s.samples) for s in scheduled],
-            self.page_size, self.device)
-        logits = self.runner.forward(batch)  # [R, V]
-        samplers = [s.request for s in scheduled if s.samples]
+        batch = self._batch(scheduled)
+        logits = self._forward(batch, order)
+        rows = batch.num_tokens
+        step = _Step(scheduled, rows)
+        if self.rank == 0:
+            params = [s.request for s in scheduled if s.samples]
+            tokens, logprobs = sample(logits, [r.spec for r in params], [r.generator for r in params])
+            step.finished = self._postprocess(scheduled, tokens, logprobs)
+            step.tokens = tokens.to(torch.int32).cpu().numpy()
+        if order is not None:
+            retire_source_pages(self.scheduler.placement, order[1])
         self.num_steps += 1
-        return sample(logits, [r.spec for r in samplers], [r.generator for r in samplers])
+        if self.rank == 0:
+            self.step_log.append({
+                "step": self.num_steps - 1, "layout": self.layout.value, "requests": len(scheduled), "rows": rows,
+                "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0 or s.num_new > 1),
+                "running": len(self.scheduler.running), "control_bytes": control_bytes,
+                "seconds": time.perf_counter() - start})
+            if order is not None:
+                self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
+        return step
 
-    def run_until_done(self) -> list[Request]:
-        finished: list[Request] = []
-        while self.scheduler.has_unfinished:
-            finished.extend(self.step())
-        return finished
+    def _batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+        """This rank's ForwardBatch: O(B) Python plus tensor ops on the device."""
+        reqs = [s.request for s in scheduled]
+        rows = self.block_table.rows(reqs, self.rank)
+        widest = max(-(-(s.start + s.num_new) // self.page_size) for s in scheduled)
+        ids: list[int] = []
+        for s in scheduled:
+            ids += s.request.tokens_at(s.start, s.num_new)
+        return ForwardBatch.from_rows(ids, [s.start for s in scheduled], [s.num_new for s in scheduled],
+                                      [s.samples for s in scheduled], [r.owner for r in reqs],
+                                      self.block_table.table[rows, :widest], self.page_size)
 
-    def abort_all(self) -> list[Request]:
-        return self.scheduler.abort_all()
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch, order) -> torch.Tensor | None:
+        """This rank's part of one step; logits [R, vocab] on rank 0, None elsewhere."""
+        if order is None:
+            return self.runner.forward(batch, logits=self.rank == 0)
+        switch = RankSwitch(order[0], self.state, [layer.self_attn for layer in self.model.model.layers],
+                            self.transfer, self.tracked_bytes, self.page_size)
+        self.runner.executor = EXECUTORS[order[0].dst](self.state)
+        logits = self.runner.forward(batch, logits=self.rank == 0, before_layer=switch.before_layer)
+        self.switch_measures.append(switch.measure())
+        return logits
 
-    # ---- sleep / wake (engine/sleep.py) ---------------------------------------------------------
+    def _enter(self, dst: Layout, blocking: bool):
+        """Every rank at a step boundary: re-place the running histories under ``dst`` (the same on
+        every rank), or defer. Returns (SwitchOrder, PlacementSwitch), or None when deferred."""
+        by_layout = self.settings.pages_by_layout
+        capacity = [by_layout[dst]] * self.world_size if by_layout else None
+        running = list(self.scheduler.running)
+        result = switch_placement(self.scheduler.placement, running, dst, capacity, list(self.scheduler.waiting))
+        record = {"src": self.layout.value, "dst": dst.value, "step": self.num_steps, "blocking": blocking,
+                  "deferred_reason": None}
+        if isinstance(result, str):  # serving goes on in the source; the driver retries next boundary
+            record["deferred_reason"] = result
+            last = self.switch_log[-1] if self.switch_log else {}
+            if self.rank == 0 and (last.get("deferred_reason") != result or last.get("dst") != dst.value):
+                self.switch_log.append(record)
+            return None
+        self.driver.switched()
+        self.block_table.rewrite(running)
+        if self.rank == 0:
+            record["moves"] = [(m.num_tokens, m.owner) for m in result.moves]
+            self.switch_log.append(record)
+        pool_pages = by_layout[dst] if by_layout else None
+        return SwitchOrder(result.src, dst, result.moves, blocking, pool_pages), result
+
+    def _postprocess(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
+        ended = self.scheduler.postprocess(scheduled, tokens.cpu(), logprobs.cpu())
+        for r in ended:
+            self.block_table.release(r.request_id)
+        return ended
+
+    def _abort_all(self) -> list[Request]:
+        aborted = self.scheduler.abort_all()
+        for r in aborted:
+            self.block_table.release(r.request_id)
+        return aborted
+
+    # ---- requests and layouts ----------------------------------------------------------------------
+    def can_ever_admit(self, request: Request) -> bool:
+        """Whether ``request`` can ever run here: in the current layout's empty pools or, when the
+        policy chooses layouts (auto) and memory follows the layout, in any layout it may enter
+        (a request only DOP's larger pool holds waits at the queue head until the policy moves)."""
+        placement = self.scheduler.placement
+        policy = self.driver.policy
+        by_layout = self.settings.pages_by_layout
+        if policy is None or not by_layout:
+            return placement.can_ever_admit(request)
+        return any(placement.can_ever_admit(request, l, [by_layout[l]] * self.world_size)
+                   for l in policy.config.layouts)
+
+    def request_switch(self, dst: Layout | str, blocking: bool = False) -> None:
+        """Rank 0: switch to ``dst`` at the next step boundary."""
+        self.driver.request(Layout.parse(dst, "dst"), blocking)
+
+    def update_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Every rank: slice the full tensors into this rank's shards (rejected as a whole if bad)."""
+        from splash_rollout.engine.weight_update import apply_update, validate_update
+
+        if self.asleep:
+            raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
+        validate_update(named, self.full_shapes)
+        apply_update(self.model, self.state.shards, named, self.rank, self.world_size)
+
+    # ---- sleep / wake (every rank; engine/sleep.py) ----------------------------------------------
     @property
     def asleep(self) -> bool:
         return self._offload is not None
 
     def sleep(self) -> None:
-        """Free the KV pool and move the weights out of tensor memory; refused while requests are
-        queued or running (abort or finish them first)."""
+        """Free this rank's KV pool and move its weights out of tensor memory. Refused (nothing
+        released) while requests are queued or running -- the same answer on every replica."""
         if self.asleep:
             raise RuntimeError("sleep: the engine is already asleep")
         if self.scheduler.has_unfinished:
             raise RuntimeError("sleep: requests are still queued or running; abort them or let them finish first")
-        self._offload = release_memory(self.pool, self.model, self.shards)
+        self._offload = release_memory(self.state.pool, self.model, self.state.shards)
 
     def wake_up(self) -> None:
+        """This rank: the weights back bit for bit and a zeroed KV pool of the size it had."""
         if not self.asleep:
             raise RuntimeError("wake_up: the engine is not asleep")
-        restore_memory(self._offload, self.pool)
+        restore_memory(self._offload, self.state.pool)
         self._offload = None
 
+    # ---- accounting ----------------------------------------------------------------------------
+    def tracked_bytes(self) -> int:
+        """Bytes of what a switch changes on this rank: projection shards and the KV pool (both 0
+        while asleep: their storages are freed)."""
+        shards = 0 if self.asleep else sum(x.nbytes for x in self.state.shards)
+        return shards + self.state.pool.nbytes
+
     def memory_stats(self) -> dict[str, int | None]:
-        """Measured bytes: ``tracked_bytes`` (= the KV pool plus the projection weights),
-        ``kv_pool``, ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
-        shards = 0 if self.asleep else sum(x.nbytes for x in self.shards)
-        return memory_stats(self.pool, self.model, self.shards, shards + self.pool.nbytes)
+        """This rank's bytes, measured: ``tracked_bytes`` (projection shards + KV pool), ``kv_pool``,
+        ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
+        return memory_stats(self.state.pool, self.model, self.state.shards, self.tracked_bytes())
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, read from the tensors: switchable projections, replicated attention
+        weights, KV pool."""
+        replicated = sum(p.numel() * p.element_size() for layer in self.model.model.layers
+                         for p in layer.self_attn.parameters())
+        return {"switchable": sum(s.nbytes for s in self.state.shards), "replicated_attention": replicated,
+                "kv_pool": self.state.pool.nbytes}

@@ -93,6 +93,14 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens_at(self, start: int, count: int) -> list[int]:
+        """Token ids of positions [start, start + count) without building the whole sequence."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p: start - p + count]
+        head = self.prompt_ids[start: start + count]
+        return head + self.output_ids[: max(0, start + count - p)]
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens

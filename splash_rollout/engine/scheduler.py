@@ -36,7 +36,8 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, placement: KVPlacement, max_num_batched_tokens: int, max_num_seqs: int = 256) -> None:
+    def __init__(self, placement: KVPlacement, max_num_batched_tokens: int, max_num_seqs: int = 256,
+                 ever_admits: Callable[[Request], bool] | None = None) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -46,7 +47,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.ever_admits: Callable[[Request], bool] | None = None
+        self.ever_admits = ever_admits
         """Whether a request can ever run; default: in the current layout's empty pools. An engine
         that may switch layouts (``auto``) accepts what any reachable layout holds."""
 

@@ -79,7 +79,8 @@ class LayerSwitch:
         self.pool_pages = pool_pages
         """Destination pages per layer; each layer's KV tensors are resized in its turn."""
         self.on_install = on_install
-        """Called after each layer's state is in place (memory tracking)."""
+        """Called with the bytes still in flight after each layer's transfer is issued or installed
+        (memory tracking)."""
         self.shards, self.attns, self.routes, self.comm = shards, attns, routes, comm
         self.weights = weight_primitive(src, dst)
         self.pending: dict[int, tuple] = {}
@@ -123,7 +124,7 @@ class LayerSwitch:
         kv = self._issue_kv(i)
         self.pending[i] = (weights, kv)
         if self.on_install is not None:
-            self.on_install(i)
+            self.on_install(self.inflight_bytes())
 
     def inflight_bytes(self) -> int:
         """Receive buffers of issued layers not yet installed (gathered weights, KV rows)."""
@@ -150,7 +151,7 @@ class LayerSwitch:
             kv()
         self.pending[i] = "done"
         if self.on_install is not None:
-            self.on_install(i)
+            self.on_install(self.inflight_bytes())
 
     # ---- weights -------------------------------------------------------------------------------
     def _issue_weights(self, i: int):

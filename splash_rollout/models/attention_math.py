@@ -1,8 +1,8 @@
 """The one place the MLA attention and DSA selection math lives.
 
 The training forward (models/mla.py) and the engine's paged backends call these functions, so the
-trainer's logprobs and the rollout's agree by construction. Everything here works on one request
-(queries [N, ...] against that request's keys [S, ...]); callers loop or batch over requests.
+trainer's logprobs and the rollout's agree by construction. The functions work on one request
+(queries [N, ...] against that request's keys [S, ...]) or on requests padded into a batch.
 
 All scores are computed in float32 whatever the input dtype (float64 under reproducible numerics,
 models/numerics.py); outputs come back in the input dtype and ``lse`` in float32, unless the caller
@@ -72,17 +72,30 @@ def _attend(q_nope_abs, q_pe, c, k_pe, visible, scale: float, gathered: bool) ->
     """Softmax attention of absorbed queries: ``c`` [S, r] and ``k_pe`` [S, rope] shared by every
     row, or (``gathered``) [N, K, r] / [N, K, rope] per row; ``visible`` broadcasts to the [N, H, S|K]
     logits. Everything runs in the accumulation dtype; (out, lse) come back in it."""
-    acc = acc_dtype(q_nope_abs.dtype)
     keys = "nk" if gathered else "s"
-    scores = "nh" + keys[-1]
+    return softmax_attention(q_nope_abs, q_pe, c, k_pe, visible, scale, f"nhr,{keys}r->nh{keys[-1]}")
+
+
+def softmax_attention(q_nope_abs, q_pe, c, k_pe, visible, scale: float, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one softmax-attention kernel of absorbed MLA queries, for any batching of rows and keys.
+
+    ``spec`` is the einsum of the latent scores, e.g. ``"nhr,sr->nhs"`` (rows share keys),
+    ``"nhr,nkr->nhk"`` (keys gathered per row) or ``"bqhr,bsr->bqhs"`` (requests padded to a
+    common query and key length); the rope scores and the output follow the same index letters.
+    ``visible`` broadcasts to the logits; keys it hides must hold finite values (zeros).
+    Everything runs in the accumulation dtype; (out [..., H, r], lse [..., H]) come back in it."""
+    acc = acc_dtype(q_nope_abs.dtype)
+    operands, scores = spec.split("->")
+    queries, keys = operands.split(",")
     c = c.to(acc)
-    logits = torch.einsum(f"nhr,{keys}r->{scores}", q_nope_abs.to(acc), c)
-    logits = logits + torch.einsum(f"nhp,{keys}p->{scores}", q_pe.to(acc), k_pe.to(acc))
+    logits = torch.einsum(spec, q_nope_abs.to(acc), c)
+    rope = f"{queries[:-1]}p,{keys[:-1]}p->{scores}"
+    logits = logits + torch.einsum(rope, q_pe.to(acc), k_pe.to(acc))
     logits = (logits * scale).masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [N, H]
+    lse = torch.logsumexp(logits, dim=-1)  # [..., H]
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(logits - safe_lse[..., None])  # exp(-inf) = 0 for masked keys and empty rows
-    out = torch.einsum(f"{scores},{keys}r->nhr", probs, c)
+    out = torch.einsum(f"{scores},{keys}->{queries}", probs, c)
     return out, lse
 
 
@@ -101,14 +114,15 @@ def merge_partial_attention(outs: list[torch.Tensor], lses: list[torch.Tensor],
 
 
 def indexer_scores(
-    index_q: torch.Tensor,  # [N, Hi, D] roped
-    index_w: torch.Tensor,  # [N, Hi] per-head weights carrying every scale
-    index_k: torch.Tensor,  # [S, D] roped, normed
+    index_q: torch.Tensor,  # [..., N, Hi, D] roped
+    index_w: torch.Tensor,  # [..., N, Hi] per-head weights carrying every scale
+    index_k: torch.Tensor,  # [..., S, D] roped, normed
 ) -> torch.Tensor:
-    """DSA lightning-indexer scores [N, S] float32: sum_h w[n,h] * relu(q[n,h] . k[s])."""
+    """DSA lightning-indexer scores [..., N, S] float32: sum_h w[n,h] * relu(q[n,h] . k[s]).
+    Leading dims batch requests (queries [B, Q, Hi, D] against keys [B, S, D])."""
     acc = acc_dtype(index_q.dtype)
-    scores = torch.relu(torch.einsum("nhd,sd->nhs", index_q.to(acc), index_k.to(acc)))
-    return torch.einsum("nh,nhs->ns", index_w.to(acc), scores).float()
+    scores = torch.relu(torch.einsum("...nhd,...sd->...nhs", index_q.to(acc), index_k.to(acc)))
+    return torch.einsum("...nh,...nhs->...ns", index_w.to(acc), scores).float()
 
 
 TIE_BREAKS = ("position", "torch")

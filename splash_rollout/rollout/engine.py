@@ -1,8 +1,10 @@
 """RolloutEngine: the public face -- prompts and SamplingParams in, a RolloutBatch out.
 
-Builds the model (preset: random init seeded by ``EngineConfig.seed``; folder: HF checkpoint), the
-single-rank engine under it, and turns each (prompt, sample j) into an engine Request with its own
-seed. All inputs are validated before any work starts. Multi-rank layouts arrive in later issues.
+Builds the model on every rank (preset: random init seeded by ``EngineConfig.seed``; folder: HF
+checkpoint) and the engine under it, and turns each (prompt, sample j) into an engine Request with
+its own seed. All inputs are validated before any work starts. Where the ranks live -- this
+process (one rank, or the caller's torchrun ranks) or ranks the engine spawns -- is the host's
+business (``rollout/ranks.py``); every method here has one code path.
 """
 from __future__ import annotations
 
@@ -14,23 +16,19 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from splash_rollout.engine.engine import Engine
-from splash_rollout.engine.kv_pool import KVPoolSpec
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.engine.weight_update import validate_update
 from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.models.numerics import numerics_mode, set_numerics
 from splash_rollout.rollout.config import EngineConfig
-from splash_rollout.rollout.ranks import (RequestRecord, build_group_engine, can_ever_admit, load_model, serve_records, take_logs,
-                                          worker_build, worker_can_ever_admit, worker_request_switch, worker_serve,
-                                          worker_update_weights, worker_memory_stats, worker_sleep, worker_wake_up)
-from splash_rollout.rollout.progress import RolloutProgress, progress_enabled
+from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost, worker_build, worker_can_ever_admit,
+                                          worker_memory_stats, worker_request_switch, worker_serve, worker_sleep,
+                                          worker_update_weights, worker_wake_up)
+from splash_rollout.rollout.progress import progress_enabled
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics
 from splash_rollout.rollout.validation import (agree_across_ranks, check_sampling, check_world_size, prompt_ids,
                                                request_digest)
-from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams, Timeline
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams
 
 
 def derive_seed(*keys: int) -> int:
@@ -46,6 +44,8 @@ class RolloutEngine:
     the same prompts and every rank gets the whole batch."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from splash_rollout.distributed.groups import ProcessGroups, groups_in_process, initialized_world_size
+
         self.config = config
         if config.flush_denormal and torch.device(config.device).type == "cpu":
             torch.set_flush_denormal(True)
@@ -55,64 +55,40 @@ class RolloutEngine:
         self.model_config: ModelConfig = resolve_model(config.model)
         self.max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                            self.model_config.max_position_embeddings)
-        self.engine = None  # single-rank Engine
-        self.group = None  # spawned WorkerGroup
-        self.group_engine = None  # in-process GroupEngine (torchrun)
+        t = config.world_size
+        check_world_size(self.model_config, t)
+        existing = initialized_world_size()
+        if t > 1 and existing not in (None, 1, t):
+            raise ValueError(f"world_size: {t}, but this process group has {existing} ranks")
         self._abort = threading.Event()  # abort(): checked by the driver at each step boundary
         self._call_lock = threading.Lock()
         self._in_call: list[Request] | None = None  # the requests of the running generate call
-        self._broken: str | None = None  # why a multi-rank engine became unusable (a rank failed)
-        if config.world_size == 1:
-            self._init_single()
-        else:
-            self._init_group()
+        self._broken: str | None = None  # why the engine became unusable (a rank failed)
+        self._closed = False
+        if t == 1:
+            self._host = LocalHost(ProcessGroups.single(config.rank_timeout_s))
+        elif existing == t:  # torchrun / a trainer's group: the engine lives in the caller's ranks
+            self._host = LocalHost(groups_in_process(config.rank_timeout_s))
+        else:  # a plain process (or a one-rank trainer group): spawn the T ranks
+            self._host = SpawnedHost(t, config.rank_timeout_s)
+        try:
+            built = self._on_ranks(worker_build, config)
+        except BaseException:
+            self._host.shutdown(force=True)
+            raise
+        self._full_shapes = built["full_shapes"]
         self._tokenizer = None
         self.weight_version = 0
         """Stamped on every sample; set by ``update_weights(..., version)``."""
         self._num_calls = 0
         self._next_request_id = 0
-        self._closed = False
         self._asleep = False
         self._progress = progress_enabled(config.progress)
         """Whether the driver draws a progress bar (EngineConfig.progress, resolved here)."""
 
-    def _init_single(self) -> None:
-        config = self.config
-        dtype = _TORCH_DTYPES[config.dtype]
-        self.model = load_model(config, self.model_config)
-        self.model.to(config.device)
-        num_pages = config.num_pages or KVPoolSpec.from_model(self.model_config).num_pages_for_budget(
-            int(config.memory_budget_gib * 2**30), config.page_size, dtype)
-        if num_pages < 1:
-            raise ValueError(f"memory_budget_gib: {config.memory_budget_gib} GiB holds no page")
-        self.engine = Engine(self.model, self.model_config, num_pages=num_pages, page_size=config.page_size,
-                             max_num_batched_tokens=config.max_num_batched_tokens,
-                             max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend,
-                             dtype=dtype, device=config.device)
-
-    def _init_group(self) -> None:
-        from splash_rollout.distributed.groups import groups_in_process, initialized_world_size
-        from splash_rollout.distributed.launch import WorkerGroup
-
-        t = self.config.world_size
-        check_world_size(self.model_config, t)
-        existing = initialized_world_size()
-        if existing not in (None, 1, t):
-            raise ValueError(f"world_size: {t}, but this process group has {existing} ranks")
-        if existing == t:
-            self.group_engine = build_group_engine(self.config, groups_in_process(self.config.rank_timeout_s))
-        else:  # a plain process (or a one-rank trainer group): spawn the T ranks
-            self.group = WorkerGroup(t, timeout_s=self.config.rank_timeout_s)
-            try:
-                built = self.group.run(worker_build, self.config, timeout_s=max(300.0, self.config.rank_timeout_s))
-                self._full_shapes = built[0]["full_shapes"]
-            except BaseException:
-                self.group.shutdown(force=True)
-                raise
-
     @property
     def rank(self) -> int:
-        return self.group_engine.rank if self.group_engine is not None else 0
+        return self._host.rank
 
     # ---- tokenizer -----------------------------------------------------------------------------
     @property
@@ -136,73 +112,30 @@ class RolloutEngine:
         with self._call_lock:
             self._in_call = requests
         try:
-            steps, max_batch = self._run(requests)
+            results, steps, switches, decisions = self._on_ranks(
+                worker_serve, [RequestRecord.of(r) for r in requests], self._progress)
         finally:
             with self._call_lock:  # an abort() that arrives after the last step is not kept for the next call
                 self._in_call = None
                 self._abort.clear()
-                if self.group is not None:
-                    self.group.interrupt.clear()
+                self._host.clear_interrupt()
         elapsed = time.perf_counter() - t0
-        out = [SampleGroup(i, [Sample(list(r.prompt_ids), list(r.output_ids), list(r.output_logprobs),
-                                      r.finish_reason or "abort", r.spec.seed,
-                                      self.weight_version) for r in reqs])
+        by_id = {r.request_id: r for r in results}
+        out = [SampleGroup(i, [Sample(list(r.prompt_ids), list(by_id[r.request_id].output_ids),
+                                      list(by_id[r.request_id].output_logprobs), by_id[r.request_id].finish_reason,
+                                      r.spec.seed, self.weight_version) for r in reqs])
                for i, reqs in enumerate(groups)]
-        num_tokens = sum(len(r.output_ids) for r in requests)
-        if self.engine is not None:
-            timeline = Timeline(phases=[{"layout": self.config.layout, "t_start": 0.0, "t_end": elapsed,
-                                         "steps": steps, "batch_size_start": max_batch, "batch_size_end": 0,
-                                         "tokens": num_tokens}])
-        else:
-            timeline = build_timeline(*self._last_logs)
-        lens = [len(r.output_ids) for r in requests]
+        timeline = build_timeline(steps, switches, decisions)
+        lens = [len(by_id[r.request_id].output_ids) for r in requests]
+        num_tokens = sum(lens)
+        control = [s["control_bytes"] for s in steps] or [0]
         metrics = {"rollout/response_len/mean": float(np.mean(lens)), "rollout/response_len/max": float(max(lens)),
-                   "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(steps),
-                   "perf/max_running": float(max_batch),
+                   "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(len(steps)),
+                   "perf/max_running": float(max((s["running"] for s in steps), default=0)),
+                   "perf/control_bytes_max": float(max(control)), "perf/control_bytes_mean": float(np.mean(control)),
                    "timing_s/generate": elapsed}
         metrics.update(layout_metrics(timeline))
         return RolloutBatch(out, timeline, metrics)
-
-    def _run(self, requests: list[Request]) -> tuple[int, int]:
-        """Run the requests to completion, filling their outputs; returns (steps, largest batch)."""
-        if self.engine is not None:
-            for req in requests:
-                self.engine.add_request(req)
-            steps0, max_batch = self.engine.num_steps, 0
-            bar, done = RolloutProgress(len(requests), enabled=self._progress), 0
-            try:
-                while self.engine.has_unfinished:
-                    if self._abort.is_set():
-                        self.engine.abort_all()  # at a step boundary; their finish_reason is "abort"
-                        break
-                    done += len(self.engine.step())
-                    max_batch = max(max_batch, len(self.engine.scheduler.running))
-                    if bar.enabled:
-                        bar.update(done, tokens=sum(len(r.output_ids) for r in requests))
-            except BaseException:
-                self.engine.abort_all()  # leave no request (and no page) behind for the next call
-                raise
-            finally:
-                bar.close()
-            return self.engine.num_steps - steps0, max_batch
-        records = [RequestRecord.of(r) for r in requests]
-        if self.group is not None:
-            results, steps, switches, decisions = self._on_ranks(worker_serve, records, self._progress)[0]
-        else:
-            try:
-                self.group_engine.should_abort = self._abort.is_set  # rank 0's driver polls it
-                mine = serve_records(self.group_engine, records, self._progress)
-                mine = take_logs(self.group_engine, mine) if self.rank == 0 else None
-                results, steps, switches, decisions = self.group_engine.control.broadcast_object(mine)
-            except BaseException as e:
-                self._fail("generate", e)
-                raise
-        self._last_logs = (steps, switches, decisions)
-        by_id = {r.request_id: r for r in results}
-        for req in requests:
-            res = by_id[req.request_id]
-            req.output_ids, req.output_logprobs, req.finish_reason = res.output_ids, res.output_logprobs, res.finish_reason
-        return len(steps), max((s["running"] for s in steps), default=0)
 
     def switch_layout(self, dst: str, blocking: bool = False) -> None:
         """Switch the attention layout at the next step boundary (the next ``generate`` call's first
@@ -211,25 +144,12 @@ class RolloutEngine:
 
         self._check_usable("switch_layout")
         Layout.parse(dst, "dst")
-        if self.engine is not None:
+        if self.config.world_size == 1:
             raise ValueError("switch_layout: a single rank has no layouts to switch between (world_size=1)")
-        if self.group is not None:
-            self._on_ranks(worker_request_switch, dst, blocking)
-        elif self.rank == 0:
-            self.group_engine.request_switch(dst, blocking)
+        self._on_ranks(worker_request_switch, dst, blocking)
 
     def _can_ever_admit(self, requests: list[Request]) -> list[bool]:
-        if self.engine is not None:
-            return [self.engine.scheduler.can_ever_admit(r) for r in requests]
-        records = [RequestRecord.of(r) for r in requests]
-        if self.group is not None:
-            return self._on_ranks(worker_can_ever_admit, records)[0]
-        try:
-            mine = can_ever_admit(self.group_engine, records)
-            return self.group_engine.control.broadcast_object(mine)
-        except BaseException as e:
-            self._fail("generate", e)
-            raise
+        return self._on_ranks(worker_can_ever_admit, [RequestRecord.of(r) for r in requests])
 
     def _make_requests(self, prompts, sampling) -> tuple[list[Request], list[list[Request]]]:
         """Validate everything, then build the requests. On error nothing is queued and the seed
@@ -240,13 +160,13 @@ class RolloutEngine:
                 requests, groups = self._build_requests(prompts, sampling)
                 error = None
             except Exception as e:  # noqa: BLE001 - under torchrun the other ranks must hear of it
-                if self.group_engine is None:
+                if not self._in_process_group:
                     raise
                 requests, groups, error = [], [], e
-            if self.group_engine is not None:  # torchrun: every rank must hold the same requests
+            if self._in_process_group:  # torchrun: every rank must hold the same requests
                 digest = None if error else request_digest([RequestRecord.of(r) for r in requests])
                 try:
-                    agree_across_ranks(self.group_engine.control.gather_objects, digest, error)
+                    agree_across_ranks(self._host.control.gather_objects, digest, error)
                 except (ValueError, TypeError):
                     raise
                 except BaseException as e:
@@ -318,8 +238,7 @@ class RolloutEngine:
             if self._in_call is None:
                 return 0
             self._abort.set()
-            if self.group is not None:
-                self.group.interrupt.set()
+            self._host.interrupt()
             return len(self._in_call)
 
     def _check_usable(self, what: str) -> None:
@@ -329,14 +248,21 @@ class RolloutEngine:
             raise RuntimeError(f"{what}: this RolloutEngine is unusable after a failure on its ranks ({self._broken}); "
                                f"call shutdown() and build a new RolloutEngine")
 
+    @property
+    def _in_process_group(self) -> bool:
+        """Whether the engine lives in the caller's multi-rank group (torchrun): every rank calls in."""
+        return isinstance(self._host, LocalHost) and self.config.world_size > 1
+
     def _on_ranks(self, fn, *args):
-        """``fn`` on every spawned rank. A failure there leaves the ranks out of step (some may still
-        sit in a collective, a switch may be half-moved), so the workers are stopped and every later
-        call says why (an input error never gets this far: it is raised before anything is sent)."""
+        """``fn`` on every rank, returning rank 0's result. A failure there leaves the ranks out of step
+        (some may still sit in a collective, a switch may be half-moved), so the engine stops its
+        ranks and every later call says why (an input error never gets this far: it is raised before
+        anything is sent). A single rank stays usable: nothing can be out of step."""
         try:
-            return self.group.run(fn, *args)
+            return self._host.run(fn, *args)
         except BaseException as e:
-            self._fail(fn.__name__, e)
+            if self.config.world_size > 1:
+                self._fail(fn.__name__, e)
             raise
 
     def _fail(self, what: str, e: BaseException) -> None:
@@ -345,8 +271,8 @@ class RolloutEngine:
                      None)
         self._broken = f"{what}: {type(e).__name__}: {lines[0] if lines else ''}" + (
             f" ... {cause}" if cause and cause != lines[0] else "")
-        if self.group is not None:
-            self.group.shutdown(force=True)
+        if isinstance(self._host, SpawnedHost):
+            self._host.shutdown(force=True)
 
     # ---- sleep / wake ----------------------------------------------------------------------------
     @property
@@ -371,12 +297,7 @@ class RolloutEngine:
         with self._call_lock:
             if self._in_call is not None:
                 raise RuntimeError("sleep: a generate call is running; abort() it and let it return first")
-        if self.engine is not None:
-            self.engine.sleep()
-        elif self.group is not None:
-            self._on_ranks(worker_sleep)
-        else:
-            self.group_engine.sleep()
+        self._on_ranks(worker_sleep)
         self._asleep = True
 
     def wake_up(self) -> None:
@@ -385,23 +306,14 @@ class RolloutEngine:
         self._check_usable("wake_up")
         if not self._asleep:
             raise RuntimeError("wake_up: the engine is not asleep")
-        if self.engine is not None:
-            self.engine.wake_up()
-        elif self.group is not None:
-            self._on_ranks(worker_wake_up)
-        else:
-            self.group_engine.wake_up()
+        self._on_ranks(worker_wake_up)
         self._asleep = False
 
     def memory_stats(self) -> list[dict[str, int | None]]:
         """Per rank, measured: ``tracked_bytes`` (switchable projections + KV pool), ``kv_pool``,
         ``weights`` (allocated storage under every weight tensor), ``rss`` (the rank's process
         resident set, bytes). Under torchrun a collective: every rank calls it and gets the list."""
-        if self.engine is not None:
-            return [self.engine.memory_stats()]
-        if self.group is not None:
-            return self._on_ranks(worker_memory_stats)
-        return self.group_engine.control.gather_objects(self.group_engine.memory_stats())
+        return self._on_ranks(worker_memory_stats)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Put full (trainer-side) weights into the engine's current layout, named as the model's
@@ -409,31 +321,14 @@ class RolloutEngine:
         rejected as a whole and the old weights stay. ``version`` is stamped on later samples."""
         self._check_usable("update_weights")
         self._check_awake("update_weights")
-        if self.engine is not None:
-            validate_update(named_tensors, {n: (tuple(p.shape), p.dtype) for n, p in self.model.state_dict().items()})
-            with torch.no_grad():
-                state = self.model.state_dict()
-                for name, t in named_tensors.items():
-                    state[name].copy_(t)
-        elif self.group is not None:
-            validate_update(named_tensors, self._full_shapes)  # here, before anything is sent
-            self._on_ranks(worker_update_weights, dict(named_tensors))
-        else:
-            validate_update(named_tensors, self.group_engine.full_shapes)  # an input error, not a rank failure
-            try:
-                self.group_engine.update_weights(named_tensors)
-            except BaseException as e:
-                self._fail("update_weights", e)
-                raise
+        validate_update(named_tensors, self._full_shapes)  # here, before anything is sent: an input error
+        self._on_ranks(worker_update_weights, dict(named_tensors))
         if version is not None:
             self.weight_version = version
 
     def shutdown(self) -> None:
         if not self._closed:
-            if self.engine is not None:
-                self.engine.abort_all()
-            if self.group is not None:
-                self.group.shutdown()
+            self._host.shutdown()
             set_numerics(self._numerics_before)
             self._closed = True
 

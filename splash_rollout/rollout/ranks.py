@@ -1,19 +1,28 @@
-"""The engine's side of a multi-rank RolloutEngine: building a GroupEngine on a rank and serving.
+"""Where a RolloutEngine's ranks live, and the functions every rank runs for it.
 
-Two ways to host the T ranks (DESIGN.md §4): the RolloutEngine spawns them (``WorkerGroup``; the
-functions here run inside each worker), or the caller's own ranks host the engine in-process
-(torchrun; every rank calls ``generate``). Both build the same ``GroupEngine`` and exchange only
-plain request records, never torch.Generator objects.
+One engine (``engine.Engine``) for any T, hosted one of two ways:
+
+* ``LocalHost``: the engine lives in this process -- one rank (T = 1), or every rank of a
+  torch.distributed group the caller already runs (torchrun, a trainer; then every rank calls the
+  same RolloutEngine method and gets rank 0's answer).
+* ``SpawnedHost``: the engine spawns its T ranks (``WorkerGroup``) and calls them.
+
+Both run the same module-level ``worker_*`` functions with a context (``groups``, ``state``,
+``heartbeat``, ``interrupted``), so the RolloutEngine has one code path. Only plain request
+records cross processes, never torch.Generator objects.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
-from splash_rollout.engine.group_engine import GroupEngine, pages_per_rank
+from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
@@ -24,7 +33,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """What rank 0 needs to rebuild a Request."""
+    """What a rank needs to rebuild a Request."""
 
     request_id: int
     prompt_ids: list[int]
@@ -48,6 +57,80 @@ class RequestResult:
     finish_reason: str
 
 
+# ---- hosts --------------------------------------------------------------------------------------
+@dataclass
+class LocalContext:
+    """The in-process counterpart of a spawned rank's ``WorkerContext``."""
+
+    groups: ProcessGroups
+    state: dict[str, Any] = field(default_factory=dict)
+    abort: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.world_size
+
+    def heartbeat(self, info: Any = None) -> None:
+        """Nobody waits on an in-process rank's sign of life."""
+
+    def interrupted(self) -> bool:
+        return self.abort.is_set()
+
+
+class LocalHost:
+    """The engine in this process: T = 1, or this rank of the caller's T-rank group."""
+
+    def __init__(self, groups: ProcessGroups) -> None:
+        self.ctx = LocalContext(groups)
+        self.control = Comm(groups.control, groups.rank, groups.world_size)
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    def run(self, fn, *args) -> Any:
+        """``fn(ctx, *args)`` here; every rank returns rank 0's result."""
+        result = fn(self.ctx, *args)
+        return self.control.broadcast_object(result) if self.ctx.world_size > 1 else result
+
+    def interrupt(self) -> None:
+        self.ctx.abort.set()
+
+    def clear_interrupt(self) -> None:
+        self.ctx.abort.clear()
+
+    def shutdown(self, force: bool = False) -> None:
+        self.ctx.state.clear()
+
+
+class SpawnedHost:
+    """T ranks this process spawned; a call runs on all of them and returns rank 0's result."""
+
+    rank = 0
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        from splash_rollout.distributed.launch import WorkerGroup
+
+        self.group = WorkerGroup(world_size, timeout_s=timeout_s)
+
+    def run(self, fn, *args, timeout_s: float | None = None) -> Any:
+        return self.group.run(fn, *args, timeout_s=timeout_s)[0]
+
+    def interrupt(self) -> None:
+        self.group.interrupt.set()
+
+    def clear_interrupt(self) -> None:
+        self.group.interrupt.clear()
+
+    def shutdown(self, force: bool = False) -> None:
+        self.group.shutdown(force=force)
+
+
+# ---- building the engine on a rank ------------------------------------------------------------------
 def load_model(config, model_config: ModelConfig):
     """The full model on this rank (a checkpoint folder, or the preset's seeded random init)."""
     from splash_rollout.models.model import MLAForCausalLM
@@ -59,38 +142,56 @@ def load_model(config, model_config: ModelConfig):
     return MLAForCausalLM.from_config(model_config, seed=config.seed, dtype=dtype).eval()
 
 
-def build_group_engine(config, groups: ProcessGroups) -> GroupEngine:
-    """This rank's GroupEngine for an EngineConfig (collective: every rank calls it)."""
-    if config.flush_denormal:
-        torch.set_flush_denormal(True)
-    set_numerics(config.numerics)
-    model_config = resolve_model(config.model)
+def engine_settings(config, model_config: ModelConfig, world_size: int) -> EngineSettings:
+    """An EngineConfig's serving settings on T ranks: the pools each layout gets from the budget."""
     dtype = TORCH_DTYPES[config.dtype]
     auto = str(config.layout).lower() == "auto"
     layout = Layout.DP if auto else Layout.parse(config.layout)  # auto starts where wide batches run well
     budget = int(config.memory_budget_gib * 2**30)
-    pages_by_layout = None if config.num_pages else {
-        l: pages_per_rank(model_config, l, groups.world_size, budget, config.page_size, dtype) for l in Layout}
-    num_pages = config.num_pages or pages_by_layout[layout]
+    by_layout = None if config.num_pages else {
+        l: pages_per_rank(model_config, l, world_size, budget, config.page_size, dtype) for l in Layout}
+    num_pages = config.num_pages or by_layout[layout]
     if num_pages < 1:
         raise ValueError(f"memory_budget_gib: {config.memory_budget_gib} GiB per rank holds no KV page after "
                          f"the {layout} attention weights")
-    engine = GroupEngine(load_model(config, model_config), model_config, groups, layout=layout, num_pages=num_pages,
-                         page_size=config.page_size, max_num_batched_tokens=config.max_num_batched_tokens,
-                         max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend, dtype=dtype,
-                         pages_by_layout=pages_by_layout)
-    engine.switch_schedule = {int(step): Layout.parse(l, "switch_schedule") for step, l in
-                              (config.switch_schedule or {}).items()}
-    if auto and groups.rank == 0:
-        engine.policy = make_policy(config, model_config, groups.world_size, budget, dtype)
-    return engine
+    schedule = {int(step): Layout.parse(l, "switch_schedule") for step, l in (config.switch_schedule or {}).items()}
+    return EngineSettings(layout=layout, num_pages=num_pages, page_size=config.page_size,
+                          max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                          attention_backend=config.attention_backend, dtype=dtype, device=rank_device(config, 0),
+                          pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule)
+
+
+def rank_device(config, rank: int) -> str:
+    """The device a rank computes on: ``EngineConfig.device``; a bare ``cuda`` spreads ranks over GPUs."""
+    device = str(config.device)
+    if device == "cuda" and torch.cuda.is_available():
+        return f"cuda:{rank % torch.cuda.device_count()}"
+    return device
+
+
+def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=None) -> Engine:
+    """This rank's Engine for an EngineConfig (collective: every rank calls it)."""
+    import dataclasses
+
+    if config.flush_denormal and str(config.device).startswith("cpu"):
+        torch.set_flush_denormal(True)
+    set_numerics(config.numerics)
+    model_config = resolve_model(config.model)
+    settings = engine_settings(config, model_config, groups.world_size)
+    settings = dataclasses.replace(settings, device=rank_device(config, groups.rank))
+    policy = None
+    if str(config.layout).lower() == "auto" and groups.rank == 0 and groups.world_size > 1:
+        budget = int(config.memory_budget_gib * 2**30)
+        policy = make_policy(config, model_config, groups.world_size, budget, settings.dtype)
+    return Engine(load_model(config, model_config), model_config, groups, settings, policy=policy,
+                  heartbeat=heartbeat, should_abort=should_abort)
 
 
 def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes: int, dtype: torch.dtype):
     """π over this engine's real pools (the ownership model at this budget) and the profile's rates."""
     import dataclasses
 
-    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.engine.engine import sizes_for
     from splash_rollout.layout.footprint import RankBudget, footprints
     from splash_rollout.scheduling.deployment import Deployment
     from splash_rollout.scheduling.policy import LayoutPolicy
@@ -104,63 +205,41 @@ def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes
                                    sizes.kv_format))
 
 
-def serve_records(engine: GroupEngine, records: list[RequestRecord] | None,
-                  progress: bool = False) -> list[RequestResult] | None:
-    """Every rank: run the batch; rank 0 returns the results (others None). ``progress``: rank 0
-    draws a progress bar on stderr, updated after every step."""
-    from splash_rollout.rollout.progress import RolloutProgress
-
-    bar = RolloutProgress(len(records or []), enabled=progress and engine.rank == 0)
-    hook = engine.on_step  # a caller's own hook keeps running
-    if bar.enabled:
-        engine.on_step = bar.on_step if hook is None else (lambda event: (hook(event), bar.on_step(event)))
-    try:
-        finished = engine.serve([r.request() for r in records] if engine.rank == 0 else None)
-    finally:
-        engine.on_step = hook
-        bar.close()
-    if finished is None:
-        return None
-    return [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort")
-            for r in finished]
-
-
-# ---- functions a spawned WorkerGroup runs (module level so they pickle by name) ---------------
+# ---- what every rank runs (module level so they pickle by name) ----------------------------------------
 def worker_build(ctx, config) -> dict:
-    ctx.state["engine"] = build_group_engine(config, ctx.groups)
-    engine = ctx.state["engine"]
+    engine = build_engine(config, ctx.groups, heartbeat=ctx.heartbeat, should_abort=ctx.interrupted)
+    ctx.state["engine"] = engine
     return {"num_pages": engine.state.pool.num_pages, "full_shapes": engine.full_shapes, **engine.resident_bytes()}
 
 
 def worker_serve(ctx, records: list[RequestRecord], progress: bool = False):
-    """Every rank serves; rank 0 returns (results, step log, switch log) and clears its logs."""
-    engine = ctx.state["engine"]
-    engine.heartbeat = ctx.heartbeat  # keeps a long call alive in the caller's eyes (launch.py)
-    engine.should_abort = ctx.interrupted  # RolloutEngine.abort() in the caller sets it
-    results = serve_records(engine, records if ctx.rank == 0 else None, progress)
-    return None if ctx.rank else take_logs(engine, results)
+    """Every rank serves the same records; rank 0 returns (results, step log, switch log, decisions)
+    and clears its logs."""
+    from splash_rollout.rollout.progress import RolloutProgress
 
-
-def take_logs(engine: GroupEngine, results):
+    engine: Engine = ctx.state["engine"]
+    bar = RolloutProgress(len(records), enabled=progress and ctx.rank == 0)
+    try:
+        finished = engine.serve([r.request() for r in records], on_step=bar.on_step if bar.enabled else None)
+    finally:
+        bar.close()
+    if finished is None:
+        return None
+    results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort")
+               for r in finished]
     steps, switches, decisions = engine.step_log, engine.switch_log, engine.decision_log
-    engine.step_log, engine.switch_log, engine.decision_log = [], [], []
+    engine.step_log, engine.switch_log = [], []
+    engine.driver.decision_log = []
     return results, steps, switches, decisions
 
 
 def worker_request_switch(ctx, dst: str, blocking: bool) -> None:
-    if ctx.rank == 0:
-        ctx.state["engine"].request_switch(dst, blocking)
+    ctx.state["engine"].request_switch(dst, blocking)
 
 
-def can_ever_admit(engine: GroupEngine, records: list[RequestRecord]) -> list[bool] | None:
-    """Rank 0: whether each request can ever run (``GroupEngine.can_ever_admit``); None elsewhere."""
-    if engine.rank != 0:
-        return None
-    return [engine.can_ever_admit(r.request()) for r in records]
-
-
-def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool] | None:
-    return can_ever_admit(ctx.state["engine"], records)
+def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool]:
+    """Whether each request can ever run (every replica gives the same answer)."""
+    return [ctx.state["engine"].can_ever_admit(r.request()) for r in records]
 
 
 def worker_update_weights(ctx, named) -> None:
@@ -175,5 +254,6 @@ def worker_wake_up(ctx) -> None:
     ctx.state["engine"].wake_up()
 
 
-def worker_memory_stats(ctx) -> dict:
-    return ctx.state["engine"].memory_stats()
+def worker_memory_stats(ctx) -> list[dict]:
+    engine: Engine = ctx.state["engine"]
+    return engine.control.gather_objects(engine.memory_stats())

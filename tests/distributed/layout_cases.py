@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.engine import Engine
-from splash_rollout.engine.group_engine import GroupEngine, pages_per_rank
+from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout import Layout
 from splash_rollout.models.config import PRESETS
@@ -44,14 +43,13 @@ def outputs(finished: list[Request]) -> dict[int, tuple[list[int], list[float]]]
 
 def single_rank(model: str, temperature: float = 0.0) -> dict:
     cfg = MODELS[model]
-    engine = Engine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, num_pages=512, page_size=PAGE_SIZE,
-                    max_num_batched_tokens=TOKEN_BUDGET)
-    for r in make_requests(model, temperature=temperature):
-        engine.add_request(r)
-    return outputs(engine.run_until_done())
+    engine = Engine.single(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg,
+                           EngineSettings(num_pages=512, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET))
+    return outputs(engine.serve(make_requests(model, temperature=temperature)))
 
 
-def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budget_bytes: int | None = None):
+def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budget_bytes: int | None = None,
+                       switch_schedule: dict[int, str] | None = None, attention_backend: str = "torch"):
     cfg = MODELS[model]
     torch.set_flush_denormal(True)
     lay = Layout.parse(layout)
@@ -59,15 +57,17 @@ def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budge
     if budget_bytes is not None:
         by_layout = {l: pages_per_rank(cfg, l, ctx.world_size, budget_bytes, PAGE_SIZE, torch.float32) for l in Layout}
         num_pages = by_layout[lay]
-    return GroupEngine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, ctx.groups, layout=lay,
-                       num_pages=num_pages, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
-                       max_num_seqs=64, pages_by_layout=by_layout)
+    schedule = {step: Layout.parse(l) for step, l in (switch_schedule or {}).items()}
+    settings = EngineSettings(layout=lay, num_pages=num_pages, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
+                              max_num_seqs=64, pages_by_layout=by_layout, switch_schedule=schedule,
+                              attention_backend=attention_backend)
+    return Engine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, ctx.groups, settings)
 
 
-def run_layout(ctx, model: str, layout: str, temperature: float = 0.0):
-    """On every rank: a fresh group engine in ``layout`` serves the mixed batch; rank 0 returns outputs."""
-    engine = build_group_engine(ctx, model, layout)
-    finished = engine.serve(make_requests(model, temperature=temperature) if ctx.rank == 0 else None)
+def run_layout(ctx, model: str, layout: str, temperature: float = 0.0, attention_backend: str = "torch"):
+    """On every rank: a fresh engine in ``layout`` serves the mixed batch; rank 0 returns outputs."""
+    engine = build_group_engine(ctx, model, layout, attention_backend=attention_backend)
+    finished = engine.serve(make_requests(model, temperature=temperature))
     pages_left = engine.scheduler.placement.pages_in_use if ctx.rank == 0 else None
     return (outputs(finished), pages_left) if ctx.rank == 0 else None
 
@@ -87,7 +87,6 @@ def memory_report(ctx, model: str, layout: str, budget_bytes: int):
         report["pool_tokens_by_rank"] = [m.num_pages * PAGE_SIZE for m in placement.managers]
         for r in admitted:
             placement.release(r)
-    engine.serve(None)  # every rank: an empty call ends the worker loop
     return report
 
 
@@ -96,11 +95,9 @@ def run_switch(ctx, model: str, src: str, dst: str, at_steps: list[int], blockin
     """Serve the mixed batch starting in ``src`` and switching at the given steps (alternating
     dst, src, dst, ...). Returns, per rank, the switch bytes counted by the wrappers; rank 0 adds
     the outputs, the switch log and the pages left in use."""
-    engine = build_group_engine(ctx, model, src, budget_bytes=budget_bytes)
     layouts = [dst, src] * len(at_steps)
-    if ctx.rank == 0:
-        engine.switch_schedule = {step: Layout.parse(l) for step, l in zip(at_steps, layouts)}
-    finished = engine.serve(make_requests(model) if ctx.rank == 0 else None)
+    engine = build_group_engine(ctx, model, src, budget_bytes=budget_bytes, switch_schedule=dict(zip(at_steps, layouts)))
+    finished = engine.serve(make_requests(model))
     counted = engine.comm.counter
     mine = {"sent": counted.total("switch/")[0], "received": counted.total("switch/")[1],
             "shards": [tuple(t.clone() for t in s.tensors().values()) for s in engine.state.shards]}
@@ -112,11 +109,8 @@ def run_switch(ctx, model: str, src: str, dst: str, at_steps: list[int], blockin
 
 def kv_snapshot(engine) -> dict:
     """Every rank: {(request_id, position): KV row (all layers, + indexer keys)} for what it stores.
-    Rank 0 broadcasts the page tables of the running requests."""
-    tables = None
-    if engine.rank == 0:
-        tables = {r.request_id: (r.rank_pages, r.num_computed_tokens) for r in engine.scheduler.running}
-    tables = engine.control.broadcast_object(tables)
+    Every rank's scheduler replica holds the page tables of the running requests."""
+    tables = {r.request_id: (r.rank_pages, r.num_computed_tokens) for r in engine.scheduler.running}
     pool, ps, out = engine.state.pool, engine.page_size, {}
     for rid, (rank_pages, n) in tables.items():
         for pos in range(n):
@@ -134,12 +128,11 @@ def round_trip(ctx, model: str, a: str, b: str):
     """A for 3 steps, one step in B, one back in A: KV of the positions that existed before and the
     projection shards must be bit-identical to what A held."""
     engine = build_group_engine(ctx, model, a)
-    engine.serve(make_requests(model) if ctx.rank == 0 else None, max_steps=3)
+    engine.serve(make_requests(model), max_steps=3)
     before_kv = kv_snapshot(engine)
     before_shards = [tuple(t.clone() for t in s.tensors().values()) for s in engine.state.shards]
     for layout in (b, a):
-        if ctx.rank == 0:
-            engine.request_switch(layout)
+        engine.request_switch(layout)
         engine.serve(None, max_steps=1)
     after_kv = kv_snapshot(engine)
     after_shards = [tuple(s.tensors().values()) for s in engine.state.shards]
@@ -152,10 +145,8 @@ def round_trip(ctx, model: str, a: str, b: str):
 def deferred_switch(ctx, model: str, src: str, dst: str, num_pages: int):
     """A switch into a layout whose pools cannot hold the running batch is deferred with a reason;
     serving goes on in the source layout and nothing is lost."""
-    engine = build_group_engine(ctx, model, src, num_pages=num_pages)
-    if ctx.rank == 0:
-        engine.switch_schedule = {6: Layout.parse(dst)}
-    finished = engine.serve(make_requests(model) if ctx.rank == 0 else None)
+    engine = build_group_engine(ctx, model, src, num_pages=num_pages, switch_schedule={6: dst})
+    finished = engine.serve(make_requests(model))
     if ctx.rank:
         return None
     return outputs(finished), engine.switch_log, engine.scheduler.placement.pages_in_use
@@ -163,10 +154,8 @@ def deferred_switch(ctx, model: str, src: str, dst: str, num_pages: int):
 
 def run_schedule(ctx, model: str, start: str, schedule: dict[int, str]):
     """Serve the mixed batch from ``start`` with an arbitrary {step: layout} switch schedule."""
-    engine = build_group_engine(ctx, model, start)
-    if ctx.rank == 0:
-        engine.switch_schedule = {k: Layout.parse(v) for k, v in schedule.items()}
-    finished = engine.serve(make_requests(model) if ctx.rank == 0 else None)
+    engine = build_group_engine(ctx, model, start, switch_schedule=schedule)
+    finished = engine.serve(make_requests(model))
     if ctx.rank:
         return None
     return outputs(finished), engine.switch_log, engine.scheduler.placement.pages_in_use

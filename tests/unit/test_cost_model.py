@@ -190,7 +190,7 @@ def test_reference_backend_gather_threshold_matches_the_model():
 def test_torch_ref_engine_prices_the_dense_rectangle_and_the_replicated_cp():
     """Below the gather threshold the reference backend scores every key (a rectangle), above it
     only the selected ones; its CP runs the replicated variant."""
-    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.engine.engine import sizes_for
     from splash_rollout.models.config import resolve_model
 
     cfg = resolve_model("glm5-nano")  # index_topk 64
@@ -212,7 +212,7 @@ def test_fit_recovers_the_constants_it_was_given():
 
     """Points priced by a known θ (torch_ref engine, overheads set) are fitted back to within a few %
     from a start that has the fitted constants wrong."""
-    from splash_rollout.engine.group_engine import sizes_for
+    from splash_rollout.engine.engine import sizes_for
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.fit import fit_profile, predict_point
 

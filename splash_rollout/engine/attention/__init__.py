@@ -6,6 +6,7 @@ import importlib
 from splash_rollout.engine.attention.base import AttentionBackend, causal_allowed
 
 _REGISTRY: dict[str, str] = {
+    "torch": "splash_rollout.engine.attention.torch_batched:TorchBackend",
     "torch_ref": "splash_rollout.engine.attention.torch_ref:TorchRefBackend",
 }
 
@@ -19,7 +20,7 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(name: str = "torch_ref") -> AttentionBackend:
+def get_backend(name: str = "torch") -> AttentionBackend:
     target = _REGISTRY.get(name)
     if target is None:
         raise ValueError(f"attention_backend: unknown {name!r}; registered: {available_backends()}")

@@ -1,15 +1,16 @@
 """AttentionBackend: absorbed MLA attention over paged latent KV, for one layer and one step.
 
 A backend receives the absorbed queries of every row of the step, reads each request's history
-from the pool through its slot table, and returns the latent attention output. Which positions a
-row may see arrives as ``allowed`` masks (causal, or a DSA top-k selection), so a backend does not
-know about indexers or layouts. ``torch_ref`` is the reference every other backend is checked
-against (with NaN-filled unused pages).
+from the pool through the batch's block table, and returns the latent attention output. Which
+positions a row may see arrives as one ``selected`` mask over history positions (a DSA top-k
+selection) or None (causal), so a backend does not know about indexers or layouts; positions
+another rank stores are never read (their block-table entry is -1). ``torch_ref`` is the reference
+every other backend is checked against (with NaN-filled unused pages).
 """
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,11 +30,11 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, layer: int, q_nope_abs: torch.Tensor, q_pe: torch.Tensor, pool: "KVPool",
-                batch: "ForwardBatch", allowed: Sequence[torch.Tensor] | None, scale: float,
+                batch: "ForwardBatch", selected: torch.Tensor | None, scale: float,
                 partial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """q_nope_abs: [N, H, kv_lora_rank]; q_pe: [N, H, qk_rope_head_dim];
-        allowed: per request Bool [num_new, seq_len] (None: causal)
-        → (out_latent [N, H, kv_lora_rank], lse [N, H] float32). The lse lets a layout that splits a
-        history over ranks (CP) merge partial results exactly; such a caller passes ``partial`` and
-        gets both in the accumulation dtype (models/numerics.py) so the merge rounds once. The new
-        tokens' KV must already be in the pool."""
+        selected: Bool [N, S] (S = ``batch.max_seq_len``) over history positions, or None (causal)
+        → (out_latent [N, H, kv_lora_rank], lse [N, H] float32). Only positions this rank stores
+        are attended; the lse lets a layout that splits a history over ranks (CP) merge partial
+        results exactly; such a caller passes ``partial`` and gets both in the accumulation dtype
+        (models/numerics.py) so the merge rounds once. The new tokens' KV must already be in the pool."""

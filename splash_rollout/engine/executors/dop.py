@@ -11,7 +11,7 @@ import torch
 
 from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.executors.dp import rows_by_owner
-from splash_rollout.engine.executors.single import dsa_allowed
+from splash_rollout.engine.executors.single import dsa_select
 from splash_rollout.engine.forward_batch import ForwardBatch
 
 
@@ -36,9 +36,9 @@ class DOPExecutor(AttentionExecutor):
             sub, rows = batch.owned_by(rank)
             c_kv, k_pe = attn.project_kv(x[rows], sub.positions)  # [n, r], [n, rope]
             s.pool.write_kv(layer, sub.out_slots, c_kv, k_pe)
-            allowed = dsa_allowed(attn, s.pool, x[rows], None if q_a is None else q_a[rows], sub)
+            selected = dsa_select(attn, s.pool, x[rows], None if q_a is None else q_a[rows], sub)
             out_all, _ = s.backend.forward(layer, q_all[..., :r].contiguous(), q_all[..., r:].contiguous(),
-                                           s.pool, sub, allowed, attn.softmax_scale)  # [n, H, r]
+                                           s.pool, sub, selected, attn.softmax_scale)  # [n, H, r]
         else:
             out_all = q_all.new_zeros((0, t * h, r))
         # back: every rank gets its head slice of every row, in owner order

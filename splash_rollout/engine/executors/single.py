@@ -4,8 +4,8 @@ Per layer and step: project q and the latent kv of the new rows, write ``c_kv | 
 indexer key on DSA ``full`` layers) into the pool, absorb W_UK into the query, attend over each
 request's paged history (causal, or the DSA top-k selection), expand with W_UV, then o_proj.
 ``shared`` DSA layers reuse the selection the previous ``full`` layer left on the batch.
-DP-attention runs exactly this on the requests a rank owns; ``dsa_allowed`` and ``attend_local``
-are the pieces the other layouts share.
+DP-attention runs exactly this on the requests a rank owns; ``dsa_select``, ``index_scores`` and
+``attend_local`` are the pieces the other layouts share.
 """
 from __future__ import annotations
 
@@ -18,34 +18,53 @@ from splash_rollout.engine.kv_pool import KVPool
 from splash_rollout.engine.projections import ProjectionShard
 from splash_rollout.models.attention_math import indexer_scores, indexer_select
 
-DSA_SCRATCH_KEY = "dsa_allowed"
+DSA_SCRATCH_KEY = "dsa_selected"
+INDEX_CHUNK_ELEMENTS = 1 << 24
+"""Most elements of one chunk of indexer work (gathered keys and per-head scores)."""
 
 
-def dsa_allowed(attn, pool: KVPool, x: torch.Tensor, q_a: torch.Tensor | None,
-                batch: ForwardBatch) -> list[torch.Tensor] | None:
-    """Per request Bool [num_new, S_local] of the positions each row attends, or None (causal).
+def shared_selection(attn, batch: ForwardBatch) -> torch.Tensor | None:
+    """A ``shared`` DSA layer's selection (the previous full layer's), or None for a layer without DSA."""
+    if getattr(attn, "uses_shared_topk", False):
+        if DSA_SCRATCH_KEY not in batch.scratch:
+            raise RuntimeError(f"layer {attn.layer_idx}: shared DSA layer before any full layer")
+        return batch.scratch[DSA_SCRATCH_KEY]
+    return None
+
+
+def index_scores(pool: KVPool, layer: int, index_q: torch.Tensor, index_w: torch.Tensor,
+                 batch: ForwardBatch) -> torch.Tensor:
+    """Indexer scores of every row against the positions this rank stores: [N, S] float32
+    (S = ``batch.max_seq_len``; 0 where a position is not stored here). index_q: [N, Hi, D];
+    index_w: [N, Hi]. Requests are padded and chunked like dense attention (no loop over requests)."""
+    cache = pool.index_k[layer]
+    keys_flat = cache.view(-1, cache.shape[-1])  # [slots, D]
+    scores = torch.zeros(batch.num_tokens, batch.max_seq_len, dtype=torch.float32, device=index_q.device)
+    per_key = index_q.shape[1] + keys_flat.shape[-1]
+    for chunk in batch.padded_chunks(per_key, INDEX_CHUNK_ELEMENTS):
+        keys = keys_flat[chunk.key_slots]  # [C, S, D]
+        keys = torch.where(chunk.key_stored[..., None], keys, torch.zeros_like(keys))
+        part = indexer_scores(index_q[chunk.q_rows], index_w[chunk.q_rows], keys.to(index_q.dtype))  # [C, Q, S]
+        scores[chunk.rows, : part.shape[-1]] = part[chunk.q_valid]
+    return scores
+
+
+def dsa_select(attn, pool: KVPool, x: torch.Tensor, q_a: torch.Tensor | None,
+               batch: ForwardBatch) -> torch.Tensor | None:
+    """Bool [N, S] of the positions each row attends (its DSA top-k), or None (plain causal).
 
     The request's whole history must be on this rank (TP, DP-attention, DOP owners). Writes this
     step's indexer keys. x, q_a: the batch's rows [N, hidden], [N, q_lora]."""
     indexer = getattr(attn, "indexer", None)
     if indexer is None:
-        if getattr(attn, "uses_shared_topk", False):
-            if DSA_SCRATCH_KEY not in batch.scratch:
-                raise RuntimeError(f"layer {attn.layer_idx}: shared DSA layer before any full layer")
-            return batch.scratch[DSA_SCRATCH_KEY]
-        return None
+        return shared_selection(attn, batch)
     layer = attn.layer_idx
     index_q, index_w = indexer.index_q(x, q_a, batch.positions)  # [N, Hi, D], [N, Hi]
     pool.write_index_k(layer, batch.out_slots, indexer.index_k(x, batch.positions))
-    allowed = []
-    for seq in batch.seqs:
-        keys = pool.read_index_k(layer, seq.slots).to(index_q.dtype)  # [S, D]
-        rows = slice(seq.row_start, seq.row_end)
-        scores = indexer_scores(index_q[rows], index_w[rows], keys)  # [n, S]
-        allowed.append(indexer_select(scores, seq.causal_mask(x.device), indexer.topk,
-                                      getattr(indexer, "tie_break", "position")))
-    batch.scratch[DSA_SCRATCH_KEY] = allowed
-    return allowed
+    scores = index_scores(pool, layer, index_q, index_w, batch)
+    selected = indexer_select(scores, batch.causal(), indexer.topk, getattr(indexer, "tie_break", "position"))
+    batch.scratch[DSA_SCRATCH_KEY] = selected
+    return selected
 
 
 def attend_local(attn, shard: ProjectionShard, pool: KVPool, backend: AttentionBackend, x: torch.Tensor,
@@ -56,8 +75,8 @@ def attend_local(attn, shard: ProjectionShard, pool: KVPool, backend: AttentionB
     q_nope, q_pe, q_a = shard.project_q(attn, x, batch.positions)  # [N, h, nope], [N, h, rope]
     c_kv, k_pe = attn.project_kv(x, batch.positions)  # [N, r], [N, rope]
     pool.write_kv(layer, batch.out_slots, c_kv, k_pe)
-    allowed = dsa_allowed(attn, pool, x, q_a, batch)
-    out_latent, _ = backend.forward(layer, shard.absorb(attn, q_nope), q_pe, pool, batch, allowed,
+    selected = dsa_select(attn, pool, x, q_a, batch)
+    out_latent, _ = backend.forward(layer, shard.absorb(attn, q_nope), q_pe, pool, batch, selected,
                                     attn.softmax_scale)  # [N, h, r]
     return shard.output(attn, out_latent)
 
