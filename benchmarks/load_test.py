@@ -60,12 +60,12 @@ def main() -> None:
                           page_size=16, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     with RolloutEngine(config) as engine:
-        before = {"caller": peak_rss_mib(), "ranks": engine.group.run(peak_rss_mib)}
+        before = {"caller": peak_rss_mib(), "ranks": engine.worker_group.run(peak_rss_mib)}
         start = time.perf_counter()
         batch = engine.generate(prompts, sampling)
         wall = time.perf_counter() - start
-        after = {"caller": peak_rss_mib(), "ranks": engine.group.run(peak_rss_mib)}
-        pages = engine.group.run(held_pages)[0]
+        after = {"caller": peak_rss_mib(), "ranks": engine.worker_group.run(peak_rss_mib)}
+        pages = engine.worker_group.run(held_pages)[0]
 
     samples = batch.samples
     reasons = collections.Counter(s.finish_reason for s in samples)

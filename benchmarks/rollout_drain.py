@@ -19,6 +19,7 @@ and optionally a bar chart.
 
     python benchmarks/rollout_drain.py --json docs/results/rollout_drain.json --png docs/results/rollout_drain.png
     python benchmarks/rollout_drain.py --json /tmp/drain.json --quick   # smoke test, < 1 min
+    python benchmarks/rollout_drain.py --json out.json --backends torch_ref,torch   # both backends side by side
 """
 from __future__ import annotations
 
@@ -79,11 +80,11 @@ def describe(work: dict, params: dict, seed: int) -> dict:
             "prompt_lens": p, "response_lens": r}
 
 
-def run_engine(layout: str, work: dict, args) -> dict:
+def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
     config = EngineConfig(model=args.model, world_size=args.world_size, layout=layout, seed=args.seed,
                           memory_budget_gib=args.memory_budget_gib,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          profile=args.profile)
+                          profile=args.profile, attention_backend=backend)
     sampling = [SamplingParams(n=work["n"], temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=args.seed + i)
                 for i, m in enumerate(work["response_lens"])]
     build0 = time.perf_counter()
@@ -102,7 +103,9 @@ def run_engine(layout: str, work: dict, args) -> dict:
     return {
         "wall_s": wall, "build_s": build_s, "tokens": sum(got), "tokens_per_s": sum(got) / wall,
         "samples": len(got), "steps": int(out.metrics["perf/steps"]),
-        "switches": len(done), "deferred_switches": len(tl.switches) - len(done),
+        "switches": len(done), "deferred_switches": len(tl.switches) - len(done), "attention_backend": backend,
+        "control_bytes_max": out.metrics["perf/control_bytes_max"],
+        "control_bytes_mean": out.metrics["perf/control_bytes_mean"],
         "switch_overhead_ms": float(sum(s["overhead_ms"] or 0.0 for s in done)),
         "switch_path": [f"{s['src']}->{s['dst']}@{s['step']}" for s in done],
         "max_running": out.metrics.get("perf/max_running"),
@@ -161,7 +164,7 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [s for s in SYSTEMS if s in result["tokens_per_s"]]
+    names = [s for s in SYSTEMS if s in result["tokens_per_s"]]  # the headline backend's runs
     vals = [result["tokens_per_s"][s] for s in names]
     colors = ["tab:blue"] * len(FIXED) + ["tab:orange", "tab:gray"]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -196,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch", type=int, default=64, help="rows per transformers generate call")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peer")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backends", default="torch",
+                    help="comma list of attention backends the engine systems run with (e.g. torch_ref,torch): "
+                         "each engine system runs once per backend, keyed layout@backend after the first")
     args = ap.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     bad = sorted(set(systems) - set(SYSTEMS))
@@ -212,14 +218,20 @@ def main(argv: list[str] | None = None) -> int:
             params[key] = val
     work = make_workload(**{k: v for k, v in params.items() if k != "n"}, n=params["n"],
                          vocab_size=resolve_model(args.model).vocab_size, seed=args.seed)
+    backends = [b for b in args.backends.split(",") if b]
     runs: dict[str, dict] = {}
-    for name in systems:
+    # the last backend's runs carry the plain names (the headline numbers); earlier ones layout@backend
+    jobs = [(f"{name}@{b}" if b != backends[-1] else name, name, b) for b in backends for name in systems
+            if name != "transformers" or b == backends[-1]]
+    for key, name, backend in jobs:
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
-        runs[name] = run_transformers(work, args) if name == "transformers" else run_engine(name, work, args)
-        runs[name]["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
-        print(f"  {name:>12}: {runs[name]['tokens_per_s']:8.1f} tokens/s  ({runs[name]['wall_s']:.1f} s timed, "
+        runs[key] = run_transformers(work, args) if name == "transformers" else run_engine(name, work, args, backend)
+        runs[key]["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
+        print(f"  {key:>16}: {runs[key]['tokens_per_s']:8.1f} tokens/s  ({runs[key]['wall_s']:.1f} s timed, "
               f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
     tps = {k: v["tokens_per_s"] for k, v in runs.items()}
+    backend_ratios = {f"{name}: {backends[-1]} / {b}": tps[name] / tps[f"{name}@{b}"]
+                      for b in backends[:-1] for name in systems if f"{name}@{b}" in tps}
     fixed = {k: tps[k] for k in FIXED if k in tps}
     best = max(fixed, key=fixed.get) if fixed else None
     result = {
@@ -227,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_auto_vs_best_fixed": tps["auto"] / fixed[best] if "auto" in tps and best else None,
         "best_fixed": best,
         "ratio_auto_vs_transformers": tps["auto"] / tps["transformers"] if {"auto", "transformers"} <= set(tps) else None,
+        "ratio_backends": backend_ratios,
         "model": args.model, "world_size": args.world_size, "quick": args.quick,
         "engine": {"memory_budget_gib": args.memory_budget_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "max_num_seqs": args.max_num_seqs, "profile": args.profile, "attention_backend": "torch_ref",
+                   "max_num_seqs": args.max_num_seqs, "profile": args.profile, "attention_backends": backends,
                    "dtype": "float32", "torch_threads_per_rank": max(1, (os.cpu_count() or 1) // args.world_size)},
         "workload": describe(work, params, args.seed),
         "runs": runs,
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         plot(result, args.png)
     print(json.dumps({k: result[k] for k in ("tokens_per_s", "ratio_auto_vs_best_fixed", "best_fixed",
-                                             "ratio_auto_vs_transformers")}, indent=1))
+                                             "ratio_auto_vs_transformers", "ratio_backends")}, indent=1))
     return 0
 
 

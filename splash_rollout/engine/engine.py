@@ -147,8 +147,9 @@ class Engine:
             shard_feed_forward(model, rank, t, self.comm)
         view = RankView(settings.layout, rank, t, config.num_heads)
         shards = [slice_projections(layer.self_attn, view.head_slice) for layer in model.model.layers]
-        for layer in model.model.layers:
-            drop_full_projections(layer.self_attn)
+        if t > 1:  # one rank's shards are views of the full weights, which stay a trainable model
+            for layer in model.model.layers:
+                drop_full_projections(layer.self_attn)
         num_pages = settings.initial_pages
         pool = KVPool(KVPoolSpec.from_model(config), num_pages, settings.page_size, settings.dtype, self.device)
         self.state = RankState(view, pool, get_backend(settings.attention_backend), shards, self.comm)
@@ -171,8 +172,8 @@ class Engine:
         self._offload: TensorOffload | None = None
         """While asleep: the weights' storages, moved out of tensor memory (engine/sleep.py)."""
         self.failed: str | None = None
-        """Why a ``serve`` failed on this rank. The ranks are then out of step (some may have left a
-        collective, a switch may be half-moved), so this engine refuses every later call."""
+        """Why a ``serve`` failed on this rank (T > 1). The ranks are then out of step (some may have
+        left a collective, a switch may be half-moved), so this engine refuses every later call."""
 
     @classmethod
     def single(cls, model: torch.nn.Module, config: ModelConfig, settings: EngineSettings = EngineSettings(),
@@ -202,7 +203,8 @@ class Engine:
         try:
             return self._serve(requests or [], max_steps, on_step)
         except BaseException as e:
-            self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if self.world_size > 1:  # one rank cannot be out of step with itself: it stays usable
+                self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             raise
 
     def _serve(self, requests: list[Request], max_steps: int | None, on_step) -> list[Request] | None:
@@ -223,7 +225,7 @@ class Engine:
                     raise RuntimeError(f"rank {self.rank}: the driver (rank 0) failed: {control.failed}")
                 if control.stop:
                     if control.abort:
-                        finished.extend(self._abort_all())
+                        finished.extend(self.abort_all())
                     break
                 mid_step = True
                 prev = self._step(control.switch, nbytes)
@@ -245,7 +247,7 @@ class Engine:
                     exchange(self.control, StepControl(None, 0, stop=True, failed=f"{type(e).__name__}: {e}"))
                 except Exception:  # noqa: BLE001 - the cause is raised below
                     pass
-            self._abort_all()
+            self.abort_all()
             raise
         merge_measures(self.control, self.switch_measures, self.switch_log if self.rank == 0 else None)
         self.switch_measures = []
@@ -351,7 +353,8 @@ class Engine:
             self.block_table.release(r.request_id)
         return ended
 
-    def _abort_all(self) -> list[Request]:
+    def abort_all(self) -> list[Request]:
+        """Every queued and running request ends with finish_reason ``abort``; their pages are freed."""
         aborted = self.scheduler.abort_all()
         for r in aborted:
             self.block_table.release(r.request_id)

@@ -90,6 +90,25 @@ class RolloutEngine:
     def rank(self) -> int:
         return self._host.rank
 
+    @property
+    def local_engine(self):
+        """This process's ``engine.Engine`` (world_size 1, or this rank under torchrun); None when the
+        ranks are spawned. For inspection (page managers, pools, logs), not for driving calls."""
+        return self._host.ctx.state.get("engine") if isinstance(self._host, LocalHost) else None
+
+    @property
+    def model(self):
+        """The model in this process at world_size 1 (the engine computes with its weights; a trainer
+        may score with it); None with more ranks, where each rank holds only its shards."""
+        engine = self.local_engine
+        return engine.model if engine is not None and self.config.world_size == 1 else None
+
+    @property
+    def worker_group(self):
+        """The spawned ranks (``distributed.launch.WorkerGroup``), or None when the engine lives in
+        this process. ``worker_group.run(fn)`` runs a module-level ``fn(ctx)`` on every rank."""
+        return self._host.group if isinstance(self._host, SpawnedHost) else None
+
     # ---- tokenizer -----------------------------------------------------------------------------
     @property
     def tokenizer(self):

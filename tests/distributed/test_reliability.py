@@ -47,20 +47,19 @@ def page_stats(ctx) -> dict:
         out.update(layout=engine.layout.value, unfinished=engine.scheduler.has_unfinished,
                    pages=[m.num_pages for m in placement.managers], free=[m.num_free for m in placement.managers],
                    used=placement.pages_in_use, reserved=placement.pages_reserved,
-                   projected=list(placement.projected_tokens), pending_switch=engine.pending_switch)
+                   projected=list(placement.projected_tokens), pending_switch=engine.driver.pending)
     return out
 
 
 def set_switch_schedule(ctx, relative: dict[int, str]) -> None:
-    """Rank 0: switch at these steps counted from now (replaces the config's schedule)."""
+    """Rank 0: switch at these steps counted from now (replaces the config's schedule; a test hook)."""
     engine = ctx.state["engine"]
-    if ctx.rank == 0:
-        engine.switch_schedule = {engine.num_steps + k: Layout.parse(v) for k, v in relative.items()}
+    engine.driver.switch_schedule = {engine.num_steps + k: Layout.parse(v) for k, v in relative.items()}
 
 
 # ---- helpers -------------------------------------------------------------------------------------
 def assert_nothing_held(engine: RolloutEngine) -> dict:
-    stats = engine.group.run(page_stats)
+    stats = engine.worker_group.run(page_stats)
     s = stats[0]
     assert not s["unfinished"]
     assert s["used"] == [0, 0] and s["reserved"] == [0, 0] and s["projected"] == [0, 0], s
@@ -82,7 +81,7 @@ class AbortAt:
 
     def _run(self) -> None:
         while not self.done.is_set() and (self.engine._in_call is None or self.target is not None and
-                                          self.engine.group.progress.get(0, {}).get("step", -1) < self.target):
+                                          self.engine.worker_group.progress.get(0, {}).get("step", -1) < self.target):
             time.sleep(0.002)
         if self.done.wait(self.delay_s):
             return
@@ -121,14 +120,14 @@ def test_every_sample_comes_back_once_whatever_the_mix_switches_and_aborts(engin
     params = [SamplingParams(n=n, max_new_tokens=new, stop_token_ids=tuple(range(lo, min(512, lo + width))),
                              ignore_eos=ignore, temperature=1.0)
               for (_, n, new, width, lo, ignore) in reqs]
-    engine.group.run(set_switch_schedule, schedule)
+    engine.worker_group.run(set_switch_schedule, schedule)
     aborter = AbortAt(engine, delay_s=abort_after_s) if abort_after_s is not None else None
     try:
         batch = engine.generate(prompts, params)
     finally:
         if aborter is not None:
             aborter.stop()
-        engine.group.run(set_switch_schedule, {})
+        engine.worker_group.run(set_switch_schedule, {})
     assert_every_sample_once(batch, prompts, params, aborted_ok=bool(aborter and aborter.result))
     if aborter is not None and aborter.result:  # the abort landed while the call ran
         assert aborter.result == sum(p.n for p in params)
@@ -143,13 +142,13 @@ def test_every_sample_comes_back_once_whatever_the_mix_switches_and_aborts(engin
 def test_fifty_calls_with_switches_leave_no_page_behind(engine):
     first = assert_nothing_held(engine)
     for call in range(50):
-        engine.group.run(set_switch_schedule, {1: LAYOUTS[call % 4]})
+        engine.worker_group.run(set_switch_schedule, {1: LAYOUTS[call % 4]})
         params = SamplingParams(n=1 + call % 2, max_new_tokens=1 + call % 4, ignore_eos=True)
         batch = engine.generate([[3 + call] * (1 + call % 9), [7] * 5], params)
         assert all(s.finish_reason == "length" for s in batch.samples)
         stats = assert_nothing_held(engine)
-        assert stats["pages"] == engine.group.run(page_stats)[0]["pages"]
-    engine.group.run(set_switch_schedule, {})
+        assert stats["pages"] == engine.worker_group.run(page_stats)[0]["pages"]
+    engine.worker_group.run(set_switch_schedule, {})
     engine.switch_layout(first["layout"])
     engine.generate([[3]], SamplingParams(max_new_tokens=1))
     assert assert_nothing_held(engine)["pages"] == first["pages"]  # same layout, same pool as 50 calls ago
@@ -159,10 +158,10 @@ def test_ten_sleep_wake_cycles_leave_no_page_or_byte_behind(engine, reference):
     first = assert_nothing_held(engine)
     awake = [(m["kv_pool"], m["weights"]) for m in engine.memory_stats()]
     for cycle in range(10):
-        engine.group.run(set_switch_schedule, {1: LAYOUTS[cycle % 4]})
+        engine.worker_group.run(set_switch_schedule, {1: LAYOUTS[cycle % 4]})
         batch = engine.generate([[3 + cycle] * 5, [7] * 9], SamplingParams(n=2, max_new_tokens=3, ignore_eos=True))
         assert len(batch.samples) == 4 and all(s.finish_reason == "length" for s in batch.samples)
-        engine.group.run(set_switch_schedule, {})
+        engine.worker_group.run(set_switch_schedule, {})
         engine.sleep()
         assert all(m["kv_pool"] == 0 for m in engine.memory_stats())
         engine.wake_up()
@@ -178,7 +177,7 @@ def test_ten_sleep_wake_cycles_leave_no_page_or_byte_behind(engine, reference):
 
 def test_abort_stops_a_group_call_at_a_step_boundary(engine, reference):
     assert engine.abort() == 0  # no call running: nothing is kept for later
-    base = engine.group.run(page_stats)[0]["num_steps"]
+    base = engine.worker_group.run(page_stats)[0]["num_steps"]
     aborter = AbortAt(engine, steps=3, base_step=base)
     params = SamplingParams(n=2, max_new_tokens=400, ignore_eos=True)
     try:
@@ -237,10 +236,10 @@ def _kill_when_serving(engine: RolloutEngine, rank: int, steps: int) -> dict:
     out = {}
 
     def run() -> None:
-        while engine.group.progress.get(0, {}).get("step", 0) < steps:
+        while engine.worker_group.progress.get(0, {}).get("step", 0) < steps:
             time.sleep(0.005)
         out["at"] = time.monotonic()
-        os.kill(engine.group.pids[rank], signal.SIGKILL)
+        os.kill(engine.worker_group.pids[rank], signal.SIGKILL)
 
     threading.Thread(target=run, daemon=True).start()
     return out
@@ -250,7 +249,7 @@ def test_a_rank_killed_mid_rollout_is_a_clear_error_and_a_new_engine_starts(refe
     timeout = 10.0
     eng = RolloutEngine(EngineConfig(layout="dp", rank_timeout_s=timeout, **CFG))
     assert [s.response_ids for s in eng.generate(PROMPTS, SEEDED).samples] == reference
-    steps = eng.group.run(page_stats)[0]["num_steps"]
+    steps = eng.worker_group.run(page_stats)[0]["num_steps"]
     killed = _kill_when_serving(eng, 1, steps + 3)
     with pytest.raises(RankFailure, match=r"rank 1 died during worker_serve \(exit code -9\)"):
         eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=400, ignore_eos=True))
@@ -261,7 +260,7 @@ def test_a_rank_killed_mid_rollout_is_a_clear_error_and_a_new_engine_starts(refe
     with pytest.raises(RuntimeError, match=r"update_weights: this RolloutEngine is unusable"):
         eng.update_weights({})
     eng.shutdown()  # clean: nothing raises, no worker is left
-    assert not eng.group.alive and all(p.exitcode is not None for p in eng.group._procs)  # reaped
+    assert not eng.worker_group.alive and all(p.exitcode is not None for p in eng.worker_group._procs)  # reaped
     with RolloutEngine(EngineConfig(layout="dp", rank_timeout_s=timeout, **CFG)) as fresh:
         assert [s.response_ids for s in fresh.generate(PROMPTS, SEEDED).samples] == reference
 
@@ -281,7 +280,7 @@ def test_a_failed_switch_transfer_aborts_the_call_and_no_half_moved_state_is_use
                                               rf"switch_transfer of layer 1 on rank {rank}"):
             eng.generate(PROMPTS, SEEDED)
         assert time.monotonic() - start < timeout + 30
-        assert not eng.group.alive  # the half-moved ranks are gone, not waiting to be used
+        assert not eng.worker_group.alive  # the half-moved ranks are gone, not waiting to be used
         with pytest.raises(RuntimeError, match=r"unusable after a failure on its ranks .*InjectedFault"):
             eng.generate(PROMPTS, SEEDED)
         with pytest.raises(RuntimeError, match=r"switch_layout: this RolloutEngine is unusable"):

@@ -1,5 +1,5 @@
 """sleep() / wake_up() and the per-step progress hook on 2 ranks: spawned by the RolloutEngine, and
-a GroupEngine hosted in-process by the caller's ranks (the torchrun path, run on the shared group)."""
+an Engine hosted in-process by the caller's ranks (the torchrun path, run on the shared group)."""
 import io
 
 import pytest
@@ -7,7 +7,7 @@ import pytest
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.rollout.progress import RolloutProgress
-from splash_rollout.rollout.ranks import RequestRecord, build_group_engine, serve_records
+from splash_rollout.rollout.ranks import RequestRecord, build_engine
 
 PROMPTS = [[5, 6, 7] * 10, [9, 10] * 4, [11, 12] * 20]
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True)
@@ -53,11 +53,11 @@ def _records(first_id: int) -> list[RequestRecord]:
 
 def _in_process(ctx, config):
     """What every torchrun rank does through RolloutEngine: build, serve, sleep, wake, serve."""
-    engine = build_group_engine(config, ctx.groups)
+    engine = build_engine(config, ctx.groups)
     events = []
     bar = RolloutProgress(len(PROMPTS), enabled=ctx.rank == 0, file=io.StringIO())
-    engine.on_step = lambda e: (events.append(e), bar.on_step(e))
-    first = serve_records(engine, _records(0) if ctx.rank == 0 else None)
+    on_step = lambda e: (events.append(e), bar.on_step(e))  # noqa: E731
+    first = engine.serve([r.request() for r in _records(0)], on_step=on_step)
     first_events = list(events)
     awake = engine.memory_stats()
     engine.sleep()
@@ -69,7 +69,7 @@ def _in_process(ctx, config):
         refused = str(e)
     engine.wake_up()
     woken = engine.memory_stats()
-    second = serve_records(engine, _records(0) if ctx.rank == 0 else None)
+    second = engine.serve([r.request() for r in _records(0)], on_step=on_step)
     drawn = bar._bar.fp.getvalue() if bar._bar is not None else ""
     bar.close()
     return {"first": first, "second": second, "events": first_events, "stats": (awake, asleep, woken),

@@ -26,7 +26,7 @@ def _tokens(batch):
 
 
 def _assert_pages_free(eng):
-    pm = eng.engine.pages
+    pm = eng.local_engine.scheduler.placement.managers[0]
     assert pm.num_free == pm.num_pages and pm.num_used == 0 and pm.num_reserved == 0
 
 
@@ -54,7 +54,7 @@ def test_every_bad_call_is_rejected_before_work_and_loses_nothing():
         for prompts, sampling, exc, message in BAD_CALLS:
             with pytest.raises(exc, match=message) as info:
                 eng.generate(prompts, sampling)
-            assert not eng.engine.has_unfinished, info.value  # nothing was queued
+            assert not eng.local_engine.scheduler.has_unfinished, info.value  # nothing was queued
             _assert_pages_free(eng)
         # the good call after the bad ones samples exactly as the second call of a fresh engine
         assert [first, _tokens(eng.generate(GOOD, SAMPLED))] == want

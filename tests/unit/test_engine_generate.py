@@ -52,7 +52,7 @@ def _engine(path, **kw):
 
 
 def _assert_pages_free(eng):
-    pm = eng.engine.pages
+    pm = eng.local_engine.scheduler.placement.managers[0]
     assert pm.num_free == pm.num_pages and pm.num_used == 0 and pm.num_reserved == 0
 
 
@@ -60,7 +60,7 @@ def test_greedy_matches_transformers_generate(checkpoint):
     cfg, path, hf = checkpoint
     prompts = _prompts(cfg.vocab_size)
     with _engine(path) as eng:
-        eng.engine.pool.fill_(float("nan"))  # any read of an unwritten slot would poison the logits
+        eng.local_engine.state.pool.fill_(float("nan"))  # any read of an unwritten slot would poison the logits
         out = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
         _assert_pages_free(eng)
     assert max(PROMPT_LENS) > 24 and (not cfg.has_indexer or cfg.index_topk < min(PROMPT_LENS[1:]))
@@ -129,14 +129,14 @@ def test_validation_errors_name_the_field(tmp_path):
             eng.generate([[2]], SamplingParams(stop_token_ids=(600,)))
         with pytest.raises(ValueError, match="sampling"):
             eng.generate([[2], [3]], [SamplingParams()])
-        assert not eng.engine.has_unfinished
+        assert not eng.local_engine.scheduler.has_unfinished
         out = eng.generate([[2, 3, 4]], SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0))
         assert len(out.samples[0].response_ids) == 17 and out.samples[0].finish_reason == "length"
         _assert_pages_free(eng)
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=2, page_size=4)) as eng:
         with pytest.raises(ValueError, match="num_pages"):
             eng.generate([[2] * 10], SamplingParams(max_new_tokens=5))
-        assert not eng.engine.has_unfinished
+        assert not eng.local_engine.scheduler.has_unfinished
 
 
 def test_preset_seed_fixes_weights():
@@ -167,19 +167,19 @@ def test_string_prompts_and_mixed_sampling_on_preset():
 def test_failed_step_leaves_no_pages_behind(monkeypatch):
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=32, page_size=4)) as eng:
         calls = {"n": 0}
-        real = eng.engine.runner.forward
+        real = eng.local_engine.runner.forward
 
-        def flaky(batch):
+        def flaky(batch, **kwargs):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("boom")
-            return real(batch)
+            return real(batch, **kwargs)
 
-        monkeypatch.setattr(eng.engine.runner, "forward", flaky)
+        monkeypatch.setattr(eng.local_engine.runner, "forward", flaky)
         with pytest.raises(RuntimeError, match="boom"):
             eng.generate([[2, 3, 4], [5, 6]], SamplingParams(max_new_tokens=8, ignore_eos=True))
         _assert_pages_free(eng)
-        assert not eng.engine.has_unfinished
+        assert not eng.local_engine.scheduler.has_unfinished
         out = eng.generate([[2, 3, 4]], SamplingParams(max_new_tokens=4, ignore_eos=True))
         assert len(out.samples[0].response_ids) == 4
 
@@ -187,7 +187,7 @@ def test_failed_step_leaves_no_pages_behind(monkeypatch):
 def test_bfloat16_smoke():
     with RolloutEngine(EngineConfig(model="glm5-nano", dtype="bfloat16", num_pages=16, page_size=4,
                                     max_num_batched_tokens=8)) as eng:
-        assert eng.engine.pool.kv[0].dtype == torch.bfloat16
+        assert eng.local_engine.state.pool.kv[0].dtype == torch.bfloat16
         out = eng.generate([[2, 3, 4, 5, 6, 7, 8, 9, 10, 11]], SamplingParams(n=2, max_new_tokens=6, ignore_eos=True))
         assert all(len(s.response_ids) == 6 for s in out.samples)
         assert all(torch.isfinite(torch.tensor(s.response_logprobs)).all() for s in out.samples)

@@ -24,9 +24,9 @@ def engine():
 
 
 def assert_nothing_held(eng: RolloutEngine) -> None:
-    placement = eng.engine.placement
-    pm = eng.engine.pages
-    assert not eng.engine.has_unfinished
+    placement = eng.local_engine.scheduler.placement
+    pm = eng.local_engine.scheduler.placement.managers[0]
+    assert not eng.local_engine.scheduler.has_unfinished
     assert pm.num_free == pm.num_pages and pm.num_used == 0 and pm.num_reserved == 0
     assert placement.projected_tokens == [0]
 
@@ -57,16 +57,17 @@ def test_every_sample_comes_back_once_whatever_the_mix_and_aborts(engine, reqs, 
 def monkeypatch_step(monkeypatch):
     """Make engine.abort() be called, as another thread would, just before step ``abort_at`` of the call."""
     def patch(eng: RolloutEngine, abort_at: int | None) -> None:
-        real = type(eng.engine).step
+        local = eng.local_engine
+        real = type(local)._step
         count = {"n": 0}
 
-        def step(self):
+        def step(self, *args):
             if abort_at is not None and count["n"] == abort_at:
                 assert eng.abort() > 0
             count["n"] += 1
-            return real(self)
+            return real(self, *args)
 
-        monkeypatch.setattr(eng.engine, "step", step.__get__(eng.engine))
+        monkeypatch.setattr(local, "_step", step.__get__(local))
     return patch
 
 

@@ -67,12 +67,12 @@ def test_sleep_releases_kv_and_weights_and_wake_restores_identical_outputs():
 
 def test_sleep_is_refused_while_requests_are_queued():
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=32, page_size=8)) as engine:
-        engine.engine.add_request(Request(99, [5, 6, 7], SamplingSpec(max_new_tokens=4), 64, (1,)))
+        engine.local_engine.scheduler.add(Request(99, [5, 6, 7], SamplingSpec(max_new_tokens=4), 64, (1,)))
         with pytest.raises(RuntimeError, match="queued or running"):
             engine.sleep()
         assert not engine.is_sleeping and engine.memory_stats()[0]["weights"] > 0
         engine.abort()
-        engine.engine.abort_all()
+        engine.local_engine.abort_all()
         engine.sleep()
         engine.wake_up()
         assert outputs(engine.generate(PROMPTS, GREEDY))
