@@ -164,7 +164,8 @@ class Engine:
         self.heartbeat, self.should_abort = heartbeat, should_abort
         self.num_steps = 0
         self.step_log: list[dict] = []
-        """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds)."""
+        """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds and
+        their split into control / schedule / batch / forward / sample)."""
         self.switch_log: list[dict] = []
         """Rank 0: one record per switch or deferral."""
         self.switch_measures: list[dict] = []
@@ -217,6 +218,7 @@ class Engine:
         mid_step = False  # between the control message and the end of the step
         try:
             while True:
+                t0 = time.perf_counter()
                 control, nbytes = exchange(self.control, self._decide(prev, steps, max_steps)
                                            if self.rank == 0 else None)
                 if self.rank != 0 and prev is not None:
@@ -228,7 +230,7 @@ class Engine:
                         finished.extend(self.abort_all())
                     break
                 mid_step = True
-                prev = self._step(control.switch, nbytes)
+                prev = self._step(control.switch, nbytes, time.perf_counter() - t0)
                 mid_step = False
                 steps += 1
                 if self.rank == 0:
@@ -272,16 +274,24 @@ class Engine:
         self._postprocess(prev.scheduled, torch.from_numpy(tokens.astype(np.int64)),
                           torch.zeros(len(tokens), dtype=torch.float32))
 
-    def _step(self, switch: tuple[Layout, bool] | None, control_bytes: int) -> "_Step":
-        start = time.perf_counter()
+    def _step(self, switch: tuple[Layout, bool] | None, control_bytes: int, control_s: float) -> "_Step":
+        """One step on this rank after its control message: switch, schedule, batch, forward, sample."""
+        clock = [time.perf_counter()]
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return clock[-1] - clock[-2]
+
         order = self._enter(*switch) if switch is not None else None
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise RuntimeError("step: nothing schedulable although requests are pending")
+        schedule_s = lap()
         batch = self._batch(scheduled)
+        batch_s = lap()
         logits = self._forward(batch, order)
-        rows = batch.num_tokens
-        step = _Step(scheduled, rows)
+        forward_s = lap()
+        step = _Step(scheduled, batch.num_tokens)
         if self.rank == 0:
             params = [s.request for s in scheduled if s.samples]
             tokens, logprobs = sample(logits, [r.spec for r in params], [r.generator for r in params])
@@ -289,13 +299,17 @@ class Engine:
             step.tokens = tokens.to(torch.int32).cpu().numpy()
         if order is not None:
             retire_source_pages(self.scheduler.placement, order[1])
+        sample_s = lap()
         self.num_steps += 1
         if self.rank == 0:
             self.step_log.append({
-                "step": self.num_steps - 1, "layout": self.layout.value, "requests": len(scheduled), "rows": rows,
+                "step": self.num_steps - 1, "layout": self.layout.value, "requests": len(scheduled),
+                "rows": batch.num_tokens,
                 "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0 or s.num_new > 1),
                 "running": len(self.scheduler.running), "control_bytes": control_bytes,
-                "seconds": time.perf_counter() - start})
+                "seconds": control_s + clock[-1] - clock[0],
+                "split_s": {"control": control_s, "schedule": schedule_s, "batch": batch_s, "forward": forward_s,
+                            "sample": sample_s}})
             if order is not None:
                 self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
         return step

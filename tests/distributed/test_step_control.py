@@ -1,0 +1,46 @@
+"""The driver's per-step message stays O(B): it never grows with context length, a switch adds bytes
+not page tables, and every rank's scheduler replica agrees with the driver's (2 spawned ranks)."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.step_overhead import admit_as_decoding, warm_requests
+from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.layout.layouts import Layout
+from splash_rollout.models.config import PRESETS
+from splash_rollout.models.model import MLAForCausalLM
+
+PAGE = 16
+# one small layer: the message does not depend on the model, the KV of 256 x 8192 tokens must fit
+CFG = PRESETS["glm5-nano"].replace(name="ctl", num_layers=1, indexer_types=("full",), kv_lora_rank=16,
+                                   qk_rope_head_dim=8, index_head_dim=8, max_position_embeddings=16384)
+
+
+def decode_steps(ctx, batch: int, context: int, switch_to: str | None = None) -> list[dict] | None:
+    """Every rank: ``batch`` requests put straight into decode at ``context`` tokens, then 3 steps in
+    DP-attention (a switch to ``switch_to`` requested before the third). Rank 0: the step log."""
+    pages = -(-batch // ctx.world_size) * (-(-(context + 16) // PAGE)) + batch
+    settings = EngineSettings(layout=Layout.DP, num_pages=pages, page_size=PAGE, max_num_batched_tokens=batch,
+                              max_num_seqs=batch)
+    engine = Engine(MLAForCausalLM.from_config(CFG, seed=0).eval(), CFG, ctx.groups, settings)
+    admit_as_decoding(engine.scheduler, warm_requests(CFG, batch, context))
+    engine.serve([], max_steps=2)
+    if switch_to is not None:
+        engine.request_switch(switch_to)
+    engine.serve([], max_steps=1)
+    engine.abort_all()
+    return [dict(s, layout_after=engine.layout.value) for s in engine.step_log] if ctx.rank == 0 else None
+
+
+@pytest.mark.slow
+def test_control_bytes_do_not_grow_with_context(group2):
+    short = group2.run(decode_steps, 256, 64)[0]
+    long = group2.run(decode_steps, 256, 8192, "dop")[0]
+    # step 0 carries no tokens yet; step 1 carries the 256 tokens of step 0; step 2 switches DP -> DOP
+    print("control bytes per step, S=64:", [s["control_bytes"] for s in short],
+          "S=8192:", [s["control_bytes"] for s in long])
+    assert long[1]["requests"] == 256 and long[1]["rows"] == 256  # a real decode step of B = 256
+    assert long[1]["control_bytes"] <= 16 * 1024
+    assert long[1]["control_bytes"] == short[1]["control_bytes"]  # the same at 64 and 8,192 tokens of history
+    assert long[2]["layout"] == "dop" and long[2]["control_bytes"] <= 64 * 1024  # the switching step
+    assert long[2]["control_bytes"] - long[1]["control_bytes"] < 512  # a switch order is a few bytes
