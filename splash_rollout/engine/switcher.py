@@ -179,14 +179,14 @@ class LayerSwitch:
         if not self.routes.collective:
             return None
         kv, idx = self._rows(i)
-        send_slots = torch.tensor([s for slots in self.routes.send_slots for s in slots], dtype=torch.int64)
+        send_slots = torch.tensor([s for slots in self.routes.send_slots for s in slots], dtype=torch.int64, device=kv.device)
         rows = kv.index_select(0, send_slots)
         if idx is not None:
             rows = torch.cat([rows, idx.index_select(0, send_slots)], dim=1)  # indexer keys ride along
         pending: Pending = self.comm.all_to_all_uneven(
             rows, [len(s) for s in self.routes.send_slots], [len(s) for s in self.routes.recv_slots],
             tag="switch/kv", async_op=True)
-        recv_slots = torch.tensor([s for slots in self.routes.recv_slots for s in slots], dtype=torch.int64)
+        recv_slots = torch.tensor([s for slots in self.routes.recv_slots for s in slots], dtype=torch.int64, device=kv.device)
 
         width = kv.shape[1]
 

@@ -70,7 +70,7 @@ class RolloutEngine:
         elif existing == t:  # torchrun / a trainer's group: the engine lives in the caller's ranks
             self._host = LocalHost(groups_in_process(config.rank_timeout_s))
         else:  # a plain process (or a one-rank trainer group): spawn the T ranks
-            self._host = SpawnedHost(t, config.rank_timeout_s)
+            self._host = SpawnedHost(t, config.rank_timeout_s, config.device)
         try:
             built = self._on_ranks(worker_build, config)
         except BaseException:

@@ -112,10 +112,10 @@ class SpawnedHost:
 
     rank = 0
 
-    def __init__(self, world_size: int, timeout_s: float) -> None:
+    def __init__(self, world_size: int, timeout_s: float, device: str = "cpu") -> None:
         from splash_rollout.distributed.launch import WorkerGroup
 
-        self.group = WorkerGroup(world_size, timeout_s=timeout_s)
+        self.group = WorkerGroup(world_size, backend=compute_backend(device, world_size), timeout_s=timeout_s)
 
     def run(self, fn, *args, timeout_s: float | None = None) -> Any:
         return self.group.run(fn, *args, timeout_s=timeout_s)[0]
@@ -128,6 +128,14 @@ class SpawnedHost:
 
     def shutdown(self, force: bool = False) -> None:
         self.group.shutdown(force=force)
+
+
+def compute_backend(device: str, world_size: int) -> str:
+    """The compute and transfer groups' backend: NCCL when every rank gets its own GPU, else gloo
+    (the control group is gloo either way)."""
+    if str(device).startswith("cuda") and torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
 
 
 # ---- building the engine on a rank ------------------------------------------------------------------
