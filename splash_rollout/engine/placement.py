@@ -1,7 +1,8 @@
 """KVPlacement: which rank stores which page of every history, and the page managers of all ranks.
 
-The driver (rank 0) holds this for the whole group (DESIGN.md §4): one ``PageManager`` per rank and,
-per request, a page table per rank. Logical page i of a request lives, under the current layout's
+Every rank holds a replica of this for the whole group, updated by the same deterministic
+decisions (so page ids never cross the network): one ``PageManager`` per rank and, per request, a
+page table per rank; each rank copies its own row of those tables into its device ``BlockTable``. Logical page i of a request lives, under the current layout's
 ownership, on every rank (TP), on the request's owner (DP-attention, DOP) or on rank i mod T (CP);
 a rank's table holds -1 for logical pages it does not store. Owners are chosen at admission by
 projected KV growth (prompt + max_new_tokens) and never change.
