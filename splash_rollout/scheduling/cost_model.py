@@ -340,7 +340,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                          lat_gather + p.all_gather.time(frac * n * hd * ACT), idx_gather))
 
     mf, af = p.matmul_flops, p.attention_flops
-    scale = {name: p.scale(group) for group, names in STAGE_GROUP_OF.items() for name in names}
+    scale = {name: p.scale(group, layout.value) for group, names in STAGE_GROUP_OF.items() for name in names}
     if k.n_experts:
         touched = k.n_experts * (1.0 - (1.0 - k.top_k / k.n_experts) ** n) if n else 0.0
         moe = _roof(n * k.top_k * k.f_expert / t + n * k.n_shared * k.f_expert / t + n * 2 * hd * k.n_experts, mf,
@@ -387,6 +387,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                                                  p.weight_read_Bps) if r else 0.0
     stages["overhead"] += (p.step_overhead_s + batch.size * p.request_step_s
                            + p.per_layout("layout_step_s", layout.value)
+                           + float(np.where(q > 1, q, 0).sum()) * p.per_layout("layout_token_s", layout.value)
                            + batch.prefill_done * p.per_layout("layout_request_s", layout.value))
     return StepCost(layout, float(sum(stages.values())), stages, tuple(layer_seconds), variant=variant)
 
