@@ -386,7 +386,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     stages["lm_head"] = scale["lm_head"] * _roof(r * 2.0 * hd * k.vocab / t, mf, k.head_bytes / t,
                                                  p.weight_read_Bps) if r else 0.0
     stages["overhead"] += (p.step_overhead_s + batch.size * p.request_step_s
-                           + p.per_layout("layout_step_s", layout.value)
+                           + (p.per_layout("layout_step_s", layout.value) if (q > 1).any() else 0.0)
                            + float(np.where(q > 1, q, 0).sum()) * p.per_layout("layout_token_s", layout.value)
                            + batch.prefill_done * p.per_layout("layout_request_s", layout.value))
     return StepCost(layout, float(sum(stages.values())), stages, tuple(layer_seconds), variant=variant)

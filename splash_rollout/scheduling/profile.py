@@ -104,8 +104,8 @@ class HardwareProfile:
     expert_call_s: float = 0.0
     """Fixed cost per routed expert a rank runs in one MoE layer, s."""
     layout_step_s: Mapping[str, float] = field(default_factory=dict)
-    """Per layout: fixed cost of one step beyond ``step_overhead_s`` (the layout's own scheduling,
-    gathers of metadata, launch), s."""
+    """Per layout: fixed cost of one step that runs prefill rows, beyond ``step_overhead_s`` (the
+    layout's own prefill scheduling, metadata gathers, launch), s. Decode-only steps do not pay it."""
     layout_request_s: Mapping[str, float] = field(default_factory=dict)
     """Per layout: fixed cost per request, charged once, on the step that completes its prefill
     (per-request setup a layout pays: DP-attention's per-owner scheduling and KV bootstrap), s."""

@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--json", dest="json_out", default=None, help="write the result here ('-': stdout)")
     for name in ("sweep", "drain"):
         s = sub.add_parser(name)
-        s.add_argument("--hardware", default="b200", help="b200 | h200 | h100 | cpu | PROFILE.yaml")
+        s.add_argument("--hardware", default="b200", help="b200 | h200 | h100 | cpu | b200-paper | h200-paper | dcu-paper | PROFILE.yaml")
         s.add_argument("--model", default="glm-5", help="preset name or checkpoint folder")
         s.add_argument("--chunk", type=_int("--chunk"), default=16384, help="prefill rows per step")
         s.add_argument("--json", dest="json_out", default=None, help="write the result here ('-': stdout)")
@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="MU,SIGMA of the response length")
             s.add_argument("--max-response", type=_int("--max-response"), default=65536)
             s.add_argument("--seed", type=_int("--seed", 0), default=0)
+            s.add_argument("--workload", default=None,
+                           help="a named drain (paper, rl, wide-only, tail-only, long-prompt-only, oscillating) "
+                                "instead of --prompts/--samples/...")
     return p
 
 
@@ -170,11 +173,18 @@ def main(argv=None) -> int:
             pl = args.prompt_len
             if len(pl) > 2 or pl[0] > pl[-1]:
                 raise UsageError(f"--prompt-len: expected L or LO,HI with LO <= HI, got {','.join(map(str, pl))}")
-            work = drain_workload(args.prompts, args.samples, (pl[0], pl[-1]), args.response_lognormal,
-                                  args.max_response, args.seed)
+            if args.workload is not None:
+                from splash_rollout.sim.runs import WORKLOADS, named_workload
+                if args.workload not in WORKLOADS:
+                    raise UsageError(f"--workload: expected one of {WORKLOADS}, got {args.workload!r}")
+                work = named_workload(args.workload, args.seed)
+            else:
+                work = drain_workload(args.prompts, args.samples, (pl[0], pl[-1]), args.response_lognormal,
+                                      args.max_response, args.seed)
             result = drain(dep, work, cfg)
             summary = (" ".join(f"{k}:{v:.0f}" for k, v in result["tokens_per_s"].items())
-                       + f"  ratio={result['ratio_adaptive_vs_best_fixed']:.3f}")
+                       + f"  ratio={result['ratio_adaptive_vs_best_fixed']:.3f}"
+                       + f" vs_dp={result['ratio_adaptive_vs_dp']:.3f}  path: {result['switch_path']}")
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

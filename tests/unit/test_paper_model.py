@@ -171,3 +171,20 @@ def test_cli_fit_and_paper(tmp_path, capsys):
     assert "--train" in capsys.readouterr().err
     assert main(["paper", "--platform", "tpu"]) == 2
     assert "--platform" in capsys.readouterr().err
+
+
+def test_named_workloads_and_drain_ratios():
+    from splash_rollout.sim.runs import WORKLOADS, drain, named_workload
+
+    paper_work = named_workload("paper")
+    assert paper_work.size == 2048 + 8 and (paper_work.prompt[-8:] >= 256 * 1024).all()
+    assert (paper_work.prompt[:2048] <= 4096).all() and (paper_work.output <= paper_work.max_new).all()
+    for name in WORKLOADS:
+        assert named_workload(name).size > 0
+    with pytest.raises(ValueError, match="--workload"):
+        named_workload("nope")
+    r = drain(Deployment.build("glm-5", "b200-paper"), named_workload("tail-only"))
+    tps = r["tokens_per_s"]
+    assert r["ratio_adaptive_vs_dp"] == pytest.approx(tps["adaptive"] / tps["dp"])
+    assert r["switch_path"].split()[0] == r["timeline"][0]["layout"]
+    assert r["switch_path"].count("->") == len(r["switches"])
