@@ -11,8 +11,9 @@ CP          W_A        Σs / T positions     Σ work / T                   pass-
                                                                          merge; pass-KV: gather histories;
                                                                          then gather output rows
 DP-attn     W_A        busiest owner        all heads, own requests      all-gather output rows
-DOP         W_A / T    busiest owner        all heads, own requests      2 variable all-to-alls
-                                                                         + all-reduce after o_proj
+DOP         W_A / T    busiest owner        all heads, own requests      q-latent all-gather, 2 variable
+                                                                         all-to-alls, reduce-scatter after
+                                                                         o_proj, gather of owner rows
 ==========  =========  ===================  ==========================  ===============================
 
 Each stage costs ``max(flops / rate, weight_bytes / weight_bw + kv_bytes / kv_bw)`` (roofline) and
@@ -41,6 +42,12 @@ indexer scores the rectangle and every rank selects top-k from it; CP replicates
 of every row, all-gathers partial outputs + LSE and, on DSA layers, the local indexer scores
 (variant ``replicated``). Calibrated profiles also carry the costs no roofline sees: per request per
 layer, per request per step, per score element, per expert call (``scheduling/fit.py`` fits them).
+
+On the ``ideal`` engine DOP runs q_a / kv_a / indexer projections on the owner's rows only (the
+replicated hidden rows are all there, but only the owner appends a request's KV), so its q latent
+is all-gathered for the head-sharded q_b. Beyond the roofline a profile may carry per-layout fixed
+costs (per prefill step, per request once its prefill completes, per prefill row) and per-stage
+correction factors, all fitted to measured steps (``sim/paper.py`` fits them to published sweeps).
 
 Units: seconds, bytes, FLOP. Activations are bf16 (2 bytes).
 """
