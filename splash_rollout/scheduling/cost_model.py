@@ -11,8 +11,9 @@ CP          W_A        Σs / T positions     Σ work / T                   pass-
                                                                          merge; pass-KV: gather histories;
                                                                          then gather output rows
 DP-attn     W_A        busiest owner        all heads, own requests      all-gather output rows
-DOP         W_A / T    busiest owner        all heads, own requests      2 variable all-to-alls
-                                                                         + all-reduce after o_proj
+DOP         W_A / T    busiest owner        all heads, own requests      q-latent all-gather, 2 variable
+                                                                         all-to-alls, reduce-scatter after
+                                                                         o_proj, gather of owner rows
 ==========  =========  ===================  ==========================  ===============================
 
 Each stage costs ``max(flops / rate, weight_bytes / weight_bw + kv_bytes / kv_bw)`` (roofline) and
@@ -41,6 +42,12 @@ indexer scores the rectangle and every rank selects top-k from it; CP replicates
 of every row, all-gathers partial outputs + LSE and, on DSA layers, the local indexer scores
 (variant ``replicated``). Calibrated profiles also carry the costs no roofline sees: per request per
 layer, per request per step, per score element, per expert call (``scheduling/fit.py`` fits them).
+
+On the ``ideal`` engine DOP runs q_a / kv_a / indexer projections on the owner's rows only (the
+replicated hidden rows are all there, but only the owner appends a request's KV), so its q latent
+is all-gathered for the head-sharded q_b. Beyond the roofline a profile may carry per-layout fixed
+costs (per prefill step, per request once its prefill completes, per prefill row) and per-stage
+correction factors, all fitted to measured steps (``sim/paper.py`` fits them to published sweeps).
 
 Units: seconds, bytes, FLOP. Activations are bf16 (2 bytes).
 """
@@ -75,15 +82,20 @@ class StepBatch:
     """[B] int64: owner rank (DP-attention, DOP)."""
     sampling_rows: int | None = None
     """Rows that produce a token (lm_head); None means one per request."""
+    prefill_done: int = 0
+    """Requests whose prefill completes this step (each pays ``layout_request_s`` once)."""
 
     @classmethod
-    def make(cls, context, query_rows, owners, sampling_rows: int | None = None) -> "StepBatch":
+    def make(cls, context, query_rows, owners, sampling_rows: int | None = None, prefill_done: int = 0
+             ) -> "StepBatch":
         c = np.asarray(context, dtype=np.int64).reshape(-1)
         q = np.broadcast_to(np.asarray(query_rows, dtype=np.int64), c.shape).copy()
         o = np.broadcast_to(np.asarray(owners, dtype=np.int64), c.shape).copy()
         if (q < 0).any() or (q > c).any():
             raise ValueError("query_rows: expected 0 <= q_i <= context_i")
-        return cls(c, q, o, sampling_rows)
+        if not 0 <= int(prefill_done) <= c.size:
+            raise ValueError(f"prefill_done: expected 0..{c.size} requests, got {prefill_done}")
+        return cls(c, q, o, sampling_rows, int(prefill_done))
 
     @property
     def size(self) -> int:
@@ -113,6 +125,9 @@ class StepCost:
 
 
 STAGES = ("attn_in", "attn_proj", "indexer", "attention", "attn_comm", "mlp", "mlp_comm", "lm_head", "overhead")
+STAGE_GROUP_OF = {"compute": ("attn_in", "attn_proj", "mlp", "lm_head"), "attention": ("attention", "indexer"),
+                  "comm": ("attn_comm", "mlp_comm")}
+"""Which ``profile.stage_scale`` factor multiplies each stage (overhead is never scaled)."""
 
 
 # ---- model constants (computed once per model / byte table) ----------------------------------
@@ -132,6 +147,7 @@ class _Consts:
     lat_bytes: int  # cached latent + rope bytes per token per layer
     idx_bytes: int  # cached indexer key bytes per token per full layer
     q_width: int  # q_lora (or hidden) + kv_lora + rope: latent row CP gathers
+    q_lora: int  # q latent width (0: no q compression)
     kv_lora: int
     qk_rope: int
     expert_bytes: int
@@ -174,7 +190,7 @@ def _consts(model: ModelConfig, sizes: AttentionBytes) -> _Consts:
         f_idx=2.0 * c.index_n_heads * c.index_head_dim,
         topk=c.index_topk if c.has_indexer else 0,
         lat_bytes=lat, idx_bytes=kv_vector_bytes(c.index_head_dim, kf) if c.has_indexer else 0,
-        q_width=(c.q_lora_rank or h) + d + c.qk_rope_head_dim, kv_lora=d, qk_rope=c.qk_rope_head_dim,
+        q_width=(c.q_lora_rank or h) + d + c.qk_rope_head_dim, q_lora=c.q_lora_rank or 0, kv_lora=d, qk_rope=c.qk_rope_head_dim,
         expert_bytes=3 * matrix_bytes(c.moe_intermediate_size or 1, h, wd),
         f_expert=2.0 * 3 * h * c.moe_intermediate_size,
         dense_bytes=3 * matrix_bytes(c.intermediate_size, h, wd), f_dense=2.0 * 3 * h * c.intermediate_size,
@@ -286,9 +302,20 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
             sent = (n - n_r) * (h / t) * width * ACT
             recv = n_r * h * (t - 1) / t * width * ACT
             return p.all_to_all.time(float(np.maximum(sent, recv).max()))
-        comm = a2a(k.kv_lora + k.qk_rope) + a2a(k.kv_lora) + ar_hidden
-    if layout is Layout.TP or layout is Layout.DOP:
+        if ref:
+            comm = a2a(k.kv_lora + k.qk_rope) + a2a(k.kv_lora) + ar_hidden
+        else:
+            # the owner runs q_a / kv_a / indexer projections on its own rows, then the q latent of
+            # every row is all-gathered for the head-sharded q_b; after o_proj a reduce-scatter
+            # keeps every head's contribution to the owner's rows, which are all-gathered back
+            q_lat = p.all_gather.time(float((n - n_r).max()) * k.q_lora * ACT) if k.q_lora else 0.0
+            rs = p.all_reduce.time(n * hd * ACT * (t - 1) / t) if t > 1 else 0.0
+            back = p.all_gather.time(float((n - n_r).max()) * hd * ACT)
+            comm = q_lat + a2a(k.kv_lora + k.qk_rope) + a2a(k.kv_lora) + rs + back
+    if layout is Layout.TP:
         in_rows, proj_flops = n, n * (k.f_q + k.f_o) * h / t
+    elif layout is Layout.DOP:
+        in_rows, proj_flops = (n if ref else busy_rows), n * (k.f_q + k.f_o) * h / t
     elif layout is Layout.DP:
         in_rows, proj_flops = busy_rows, busy_rows * (k.f_q + k.f_o) * h
     variants = [("", in_rows, proj_flops, comm, 0.0)] if not cp else []
@@ -320,6 +347,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                          lat_gather + p.all_gather.time(frac * n * hd * ACT), idx_gather))
 
     mf, af = p.matmul_flops, p.attention_flops
+    scale = {name: p.scale(group, layout.value) for group, names in STAGE_GROUP_OF.items() for name in names}
     if k.n_experts:
         touched = k.n_experts * (1.0 - (1.0 - k.top_k / k.n_experts) ** n) if n else 0.0
         moe = _roof(n * k.top_k * k.f_expert / t + n * k.n_shared * k.f_expert / t + n * 2 * hd * k.n_experts, mf,
@@ -349,6 +377,8 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                 "mlp": moe if is_moe else dense,
                 "mlp_comm": ar_hidden,
             }
+            for name in st:
+                st[name] *= scale[name]
             per_layer = float(sum(st.values())) + p.layer_overhead_s + per_request
             for name, v in st.items():
                 stages[name] += float(v) * len(layers)
@@ -360,8 +390,12 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
             best = (total, variant, stages, layer_seconds)
     _, variant, stages, layer_seconds = best
     r = batch.size if batch.sampling_rows is None else batch.sampling_rows
-    stages["lm_head"] = _roof(r * 2.0 * hd * k.vocab / t, mf, k.head_bytes / t, p.weight_read_Bps) if r else 0.0
-    stages["overhead"] += p.step_overhead_s + batch.size * p.request_step_s
+    stages["lm_head"] = scale["lm_head"] * _roof(r * 2.0 * hd * k.vocab / t, mf, k.head_bytes / t,
+                                                 p.weight_read_Bps) if r else 0.0
+    stages["overhead"] += (p.step_overhead_s + batch.size * p.request_step_s
+                           + (p.per_layout("layout_step_s", layout.value) if (q > 1).any() else 0.0)
+                           + float(np.where(q > 1, q, 0).sum()) * p.per_layout("layout_token_s", layout.value)
+                           + batch.prefill_done * p.per_layout("layout_request_s", layout.value))
     return StepCost(layout, float(sum(stages.values())), stages, tuple(layer_seconds), variant=variant)
 
 

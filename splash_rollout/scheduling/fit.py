@@ -7,7 +7,7 @@ bookkeeping -- and its kernels run at other rates than a square GEMM. So the cal
 the engine itself over a grid of batches (every layout, prefill and decode steps) and fits the
 constants of ``cost_model.step_time`` to those measurements here.
 
-The fit minimises the robust (soft-L1) sum of log(predicted / measured) over every measured step,
+The fit (a bounded Levenberg-Marquardt, ``numeric_fit.py``) minimises the robust (soft-L1) sum of log(predicted / measured) over every measured step,
 so a 10 ms step and a 10 s step weigh the same; every constant stays positive (it is fitted in log
 space). Rates and memory bandwidths keep their microbenchmark values: fitted too, they trade off
 against the elementwise and per-request terms and drift to unphysical values (a 386 TFLOP/s
@@ -28,6 +28,7 @@ import numpy as np
 from splash_rollout.layout import AttentionBytes, Layout
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.scheduling.cost_model import StepBatch, step_time
+from splash_rollout.scheduling.numeric_fit import levenberg_marquardt
 from splash_rollout.scheduling.profile import COLLECTIVES, CollectiveCost, HardwareProfile
 
 DECODE_OFFSET = 4
@@ -90,8 +91,6 @@ def fit_profile(points: Sequence[dict], model: ModelConfig, sizes: AttentionByte
                 max_evals: int = 4000) -> tuple[HardwareProfile, dict]:
     """θ fitted to ``points`` (measured with ``base.world_size`` ranks), starting from ``base``;
     returns (profile with ``engine="torch_ref"``, report {median_abs_error, points, evaluations})."""
-    from scipy.optimize import least_squares
-
     if not points:
         raise ValueError("points: expected at least one measured grid point")
     base = base.replace(engine="torch_ref")
@@ -106,12 +105,12 @@ def fit_profile(points: Sequence[dict], model: ModelConfig, sizes: AttentionByte
 
     lower = np.maximum(floors, x0 - 25.0)
     upper = x0 + 25.0
-    result = least_squares(residuals, np.clip(x0, lower + 1e-9, upper - 1e-9), bounds=(lower, upper),
-                           loss="soft_l1", f_scale=0.1, max_nfev=max_evals, x_scale=1.0)
-    fitted = _with(base, np.exp(result.x))
-    errors = np.abs(np.expm1(result.fun))
+    x, fun, evals = levenberg_marquardt(residuals, np.clip(x0, lower + 1e-9, upper - 1e-9), lower, upper,
+                                        max_evals=max_evals, f_scale=0.1)
+    fitted = _with(base, np.exp(x))
+    errors = np.abs(np.expm1(fun))
     report = {"median_abs_error": float(np.median(errors)), "max_abs_error": float(errors.max()),
-              "points": len(points), "evaluations": int(result.nfev),
+              "points": len(points), "evaluations": int(evals),
               "constants": {n: _get(fitted, n) for n in FITTED}}
     if not math.isfinite(report["median_abs_error"]):
         raise RuntimeError("fit_profile: the fit diverged (non-finite residuals)")

@@ -46,6 +46,9 @@ class PolicyConfig:
     """Quantile of the running requests' expected remaining tokens used as the horizon (steps)."""
     layouts: tuple[Layout, ...] = ALL_LAYOUTS
     """Layouts the policy may choose (deployments may rule some out)."""
+    round_trip: bool = True
+    """Charge a switch twice -- there and, if the load turns back, back again -- so a lead that
+    only pays one way (a load that oscillates around a crossover) does not switch."""
 
     def __post_init__(self) -> None:
         if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:
@@ -239,9 +242,10 @@ class LayoutPolicy:
                 reasons.append(f"{cand.value} leads by {lead / cur_eff:.1%} < {cfg.rel_margin:.0%}")
                 break
             gain = lead * horizon
-            if gain <= sc.overlapped_s + cfg.abs_margin_s:
+            price = sc.overlapped_s * (2.0 if cfg.round_trip else 1.0)
+            if gain <= price + cfg.abs_margin_s:
                 reasons.append(f"{cand.value} saves {gain * 1e3:.2f} ms over {horizon:.0f} steps <= switch "
-                               f"{sc.overlapped_s * 1e3:.2f} ms + margin")
+                               f"{price * 1e3:.2f} ms (round trip) + margin")
                 continue
             why = f"{cand.value} saves {gain * 1e3:.1f} ms over {horizon:.0f} steps > switch {sc.overlapped_s * 1e3:.2f} ms"
             if priced[cand][2] != priced[current][2]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import yaml
@@ -36,6 +36,14 @@ from splash_rollout.layout import GiB, MiB
 COLLECTIVES = ("all_gather", "all_to_all", "all_reduce")
 ENGINES = ("ideal", "torch_ref")
 OVERHEAD_FIELDS = ("request_layer_s", "request_step_s", "score_element_s", "expert_call_s")
+LAYOUT_NAMES = ("tp", "cp", "dp", "dop")
+STAGE_GROUPS = ("compute", "attention", "comm")
+"""Keys of ``stage_scale``: ``compute`` (attn_in, attn_proj, mlp, lm_head), ``attention`` (attention,
+indexer), ``comm`` (attn_comm, mlp_comm)."""
+PER_LAYOUT_FIELDS = {"layout_step_s": float, "layout_request_s": float, "layout_token_s": float, "chunk_tokens": int,
+                     "workspace_bytes": int}
+"""Per-layout mappings ({layout name: value}); a layout absent from one takes its default (0, or
+for ``chunk_tokens`` the caller's budget)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,24 @@ class HardwareProfile:
     selection) beyond their FLOPs: the elementwise passes a reference backend makes, s."""
     expert_call_s: float = 0.0
     """Fixed cost per routed expert a rank runs in one MoE layer, s."""
+    layout_step_s: Mapping[str, float] = field(default_factory=dict)
+    """Per layout: fixed cost of one step that runs prefill rows, beyond ``step_overhead_s`` (the
+    layout's own prefill scheduling, metadata gathers, launch), s. Decode-only steps do not pay it."""
+    layout_request_s: Mapping[str, float] = field(default_factory=dict)
+    """Per layout: fixed cost per request, charged once, on the step that completes its prefill
+    (per-request setup a layout pays: DP-attention's per-owner scheduling and KV bootstrap), s."""
+    layout_token_s: Mapping[str, float] = field(default_factory=dict)
+    """Per layout: cost per prefill row beyond the roofline stages (per-token work of the layout's
+    kernels that no stage prices: layout-specific gathers, metadata, the real kernels' rates), s."""
+    chunk_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Per layout: prefill rows one step may run over the whole group (chunked-prefill budget).
+    DP-attention and DOP split it evenly over the owners, as each owner schedules its own rows."""
+    workspace_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Per layout: memory kept out of the KV pool beyond weights and ``reserve_bytes`` (the
+    forward pass's activation peak and graph buffers, which differ by layout), bytes."""
+    stage_scale: Mapping[str, float] = field(default_factory=dict)
+    """Correction factor per stage group (STAGE_GROUPS) on the roofline seconds, fitted to measured
+    steps; ``GROUP/LAYOUT`` keys override it for one layout (its kernels' own efficiency); absent: 1."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -115,12 +141,35 @@ class HardwareProfile:
         for f in ("step_overhead_s", "layer_overhead_s", "reserve_bytes", *OVERHEAD_FIELDS):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}: expected a non-negative number, got {getattr(self, f)}")
+        for f, keys in (*((f, LAYOUT_NAMES) for f in PER_LAYOUT_FIELDS), ("stage_scale", STAGE_GROUPS)):
+            value = getattr(self, f)
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{f}: expected a mapping {{name: number}}, got {type(value).__name__}")
+            for k, v in value.items():
+                group, _, lay = k.partition("/")
+                ok = k in keys if f != "stage_scale" else group in keys and (not lay or lay in LAYOUT_NAMES)
+                if not ok:
+                    raise ValueError(f"{f}: unknown key {k!r}; expected one of {keys}"
+                                     + (" or GROUP/LAYOUT" if f == "stage_scale" else ""))
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (f == "chunk_tokens" and v < 1):
+                    raise ValueError(f"{f}[{k!r}]: expected a {'positive' if f == 'chunk_tokens' else 'non-negative'} "
+                                     f"number, got {v!r}")
+
+    def per_layout(self, name: str, layout: str, default: float = 0.0) -> float:
+        """``name`` (a PER_LAYOUT_FIELDS mapping) for ``layout`` (its value string), or ``default``."""
+        return getattr(self, name).get(layout, default)
+
+    def scale(self, group: str, layout: str = "") -> float:
+        """Stage-group factor for ``layout``: ``GROUP/LAYOUT`` if set, else ``GROUP``, else 1."""
+        return float(self.stage_scale.get(f"{group}/{layout}", self.stage_scale.get(group, 1.0)))
 
     def replace(self, **changes: Any) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        for f in (*PER_LAYOUT_FIELDS, "stage_scale"):
+            d[f] = dict(d[f])
         return d
 
     @classmethod
@@ -143,6 +192,11 @@ class HardwareProfile:
                     if not isinstance(value, Mapping) or set(value) != {"latency_s", "bandwidth_Bps"}:
                         raise ValueError("expected {latency_s, bandwidth_Bps}")
                     value = CollectiveCost(float(value["latency_s"]), float(value["bandwidth_Bps"]))
+                elif name in PER_LAYOUT_FIELDS or name == "stage_scale":
+                    if not isinstance(value, Mapping):
+                        raise ValueError("expected a mapping {name: number}")
+                    kind = PER_LAYOUT_FIELDS.get(name, float)
+                    value = {str(k): kind(v) if not isinstance(v, bool) else v for k, v in value.items()}
                 elif name in ("name", "engine"):
                     value = str(value)
                 elif name in ("world_size", "memory_bytes", "reserve_bytes"):
@@ -196,15 +250,26 @@ PRESETS: dict[str, HardwareProfile] = {
 }
 
 
+FITTED_PRESETS = ("b200-paper", "h200-paper", "dcu-paper")
+"""Profiles fitted to the published sweeps of each platform (``python -m splash_rollout.sim fit`` over
+all of a platform's sweeps): the prefill group of ``presets/<platform>.yaml``."""
+
+
 def load_profile(source: str | os.PathLike | HardwareProfile) -> HardwareProfile:
-    """A preset name, a YAML file written by ``save_profile``, or a profile → HardwareProfile."""
+    """A preset name (spec presets, or the fitted ``<platform>-paper``), a YAML file written by
+    ``save_profile``, or a profile → HardwareProfile."""
     if isinstance(source, HardwareProfile):
         return source
     key = os.fspath(source)
     if key.lower() in PRESETS:
         return PRESETS[key.lower()]
+    if key.lower() in FITTED_PRESETS:
+        path = os.path.join(os.path.dirname(__file__), "presets", key.lower().split("-")[0] + ".yaml")
+        with open(path) as f:
+            return HardwareProfile.from_dict(yaml.safe_load(f)["profile"], source=f"preset {key!r}")
     if not os.path.isfile(key):
-        raise ValueError(f"hardware: unknown preset or file {key!r}; presets are {sorted(PRESETS)}")
+        raise ValueError(f"hardware: unknown preset or file {key!r}; presets are "
+                         f"{sorted(PRESETS) + list(FITTED_PRESETS)}")
     try:
         with open(key) as f:
             raw = yaml.safe_load(f)

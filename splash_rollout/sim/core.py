@@ -142,7 +142,8 @@ def simulate(work: Workload, dep: Deployment, mode: Layout | str, cfg: SimConfig
         pre = left > 0
         if pre.any():
             q = np.zeros(run.size, dtype=np.int64)
-            q[pre] = _prefill_rows(run[pre], left[pre], owner, layout, cfg.chunk_tokens, t_ranks)
+            q[pre] = _prefill_rows(run[pre], left[pre], owner, layout, dep.chunk_tokens(layout, cfg.chunk_tokens),
+                                   t_ranks)
             q[~pre] = 1
             ctx = np.where(pre, prefilled[run] + q, work.prompt[run] + generated[run] + 1)
             k = 1
@@ -150,8 +151,8 @@ def simulate(work: Workload, dep: Deployment, mode: Layout | str, cfg: SimConfig
             q = np.ones(run.size, dtype=np.int64)
             k = int(min((work.output[run] - generated[run]).min(), cfg.max_stride))
             ctx = work.prompt[run] + generated[run] + 1 + (k - 1) // 2
-        batch = StepBatch.make(ctx, q, owner[run],
-                               sampling_rows=int((~pre | (q == left)).sum()))
+        batch = StepBatch.make(ctx, q, owner[run], sampling_rows=int((~pre | (q == left)).sum()),
+                               prefill_done=int((pre & (q == left)).sum()))
         if adaptive:
             queued = slice(nxt, min(n_req, nxt + max(cfg.max_running - run.size, 0)))
             waiting = Waiting.make(work.prompt[queued], reserve[queued], cfg.chunk_tokens, cfg.max_running)
@@ -203,8 +204,11 @@ def simulate(work: Workload, dep: Deployment, mode: Layout | str, cfg: SimConfig
 
 
 def _initial_layout(work: Workload, dep: Deployment, cfg: SimConfig) -> Layout:
-    """Adaptive start: the layout with the best decode tokens per second over the batch it would
-    admit first (admission and layout chosen together only here; π takes over afterwards)."""
+    """Adaptive start: the layout with the most tokens per second in the steady state of the batch it
+    would admit first -- every admitted request decoding while the next prompts prefill within the
+    layout's chunk budget (admission and layout chosen together only here; π takes over afterwards).
+    A layout whose larger pool admits more is not chosen for that alone: the batch it admits must
+    also run faster per token."""
     best, best_rate = None, -1.0
     for l in cfg.policy.layouts:
         proj = np.zeros(dep.world_size, dtype=np.int64)
@@ -218,8 +222,21 @@ def _initial_layout(work: Workload, dep: Deployment, cfg: SimConfig) -> Layout:
             proj[o] += work.prompt[i] + work.max_new[i]
         if not idx:
             continue
-        b = StepBatch.make(work.prompt[idx] + 1, 1, own)
-        rate = len(idx) / step_time(l, b, dep.model, dep.profile, dep.sizes).seconds
+        decode = StepBatch.make(work.prompt[idx] + 1, 1, own)
+        rate = len(idx) / step_time(l, decode, dep.model, dep.profile, dep.sizes).seconds
+        # the same batch with a prefill chunk riding along: the next prompts, split over the owners
+        # for DP-attention / DOP as the engine schedules them
+        budget = dep.chunk_tokens(l, cfg.chunk_tokens)
+        plen = int(np.median(work.prompt[: max(len(idx), 1)]))
+        nxt = np.arange(len(idx), min(work.size, len(idx) + max(1, -(-budget // plen))))
+        if nxt.size:
+            chunk = np.minimum(work.prompt[nxt], max(budget // max(nxt.size, 1), 1))
+            mixed = StepBatch.make(np.concatenate([work.prompt[idx] + 1, chunk]),
+                                   np.concatenate([np.ones(len(idx), dtype=np.int64), chunk]),
+                                   np.concatenate([own, np.arange(nxt.size) % dep.world_size]),
+                                   prefill_done=min(nxt.size, int(round(chunk.sum() / plen))))  # steady state
+            rate = min(rate, (len(idx) + int(chunk.sum()))
+                       / step_time(l, mixed, dep.model, dep.profile, dep.sizes).seconds)
         if rate > best_rate:
             best, best_rate = l, rate
     if best is None:

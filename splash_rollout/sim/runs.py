@@ -67,6 +67,49 @@ def drain(dep: Deployment, work: Workload, cfg: SimConfig = SimConfig()) -> dict
         "model": dep.model.name, "hardware": dep.profile.name, "requests": work.size,
         "total_tokens": work.total_tokens, "tokens_per_s": tps, "best_fixed": best_fixed,
         "ratio_adaptive_vs_best_fixed": tps[ADAPTIVE] / tps[best_fixed] if tps[best_fixed] else None,
+        "ratio_adaptive_vs_dp": tps[ADAPTIVE] / tps["dp"] if tps["dp"] else None,
+        "switch_path": " ".join([a.timeline[0]["layout"]] + [f"->{s['dst']}@{s['step']}" for s in a.switches])
+        if a.timeline else "",
         "timeline": a.timeline, "switches": a.switches,
         "runs": {k: _summary(r) for k, r in results.items()},
     }
+
+
+def paper_workload(short: int = 2048, long_prompts: int = 8, seed: int = 0) -> Workload:
+    """The paper's framing: ``short`` requests with 1K-4K prompts and heavy-tailed responses
+    (lognormal, median ~600 tokens, clipped at 16K), then ``long_prompts`` prompts of 256K-512K
+    tokens with short answers, queued behind them (the long prompts arrive as the wide phase drains)."""
+    rng = np.random.default_rng(seed)
+    p_short = rng.integers(1024, 4097, size=short)
+    r_short = np.clip(np.rint(rng.lognormal(6.4, 1.0, size=short)), 1, 16384).astype(np.int64)
+    p_long = rng.integers(256 * 1024, 512 * 1024 + 1, size=long_prompts)
+    r_long = rng.integers(256, 1025, size=long_prompts)
+    return Workload.make(np.concatenate([p_short, p_long]), np.concatenate([r_short, r_long]),
+                         np.concatenate([np.full(short, 16384), np.full(long_prompts, 1024)]))
+
+
+WORKLOADS = ("paper", "rl", "wide-only", "tail-only", "long-prompt-only", "oscillating")
+"""Named drains: ``paper`` (above); ``rl`` (the co-located GRPO drain: P prompts x S samples,
+long-tailed responses); ``wide-only`` (the paper drain's short requests alone); ``tail-only`` (64
+requests with long responses: the end of a drain); ``long-prompt-only`` (16 prompts of 256K-512K);
+``oscillating`` (three rounds of 512 short requests then 4 long prompts)."""
+
+
+def named_workload(name: str, seed: int = 0) -> Workload:
+    rng = np.random.default_rng(seed)
+    if name == "paper":
+        return paper_workload(seed=seed)
+    if name == "rl":
+        return drain_workload(prompts=64, samples=16, prompt_len=(1024, 4096), response_lognormal=(7.0, 1.0),
+                              max_response=16384, seed=seed)
+    if name == "wide-only":
+        return paper_workload(long_prompts=0, seed=seed)
+    if name == "tail-only":
+        return Workload.make(rng.integers(1024, 4097, size=64), rng.integers(4096, 16385, size=64), 16384)
+    if name == "long-prompt-only":
+        return Workload.make(rng.integers(256 * 1024, 512 * 1024 + 1, size=16), rng.integers(256, 1025, size=16), 1024)
+    if name == "oscillating":
+        parts = [paper_workload(short=512, long_prompts=4, seed=seed + k) for k in range(3)]
+        return Workload.make(np.concatenate([w.prompt for w in parts]), np.concatenate([w.output for w in parts]),
+                             np.concatenate([w.max_new for w in parts]))
+    raise ValueError(f"--workload: expected one of {WORKLOADS}, got {name!r}")

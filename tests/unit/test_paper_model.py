@@ -1,0 +1,190 @@
+"""The terms the published sweeps need, the disaggregated serving model, and the fit (pure, CPU)."""
+import json
+
+import numpy as np
+import pytest
+
+from splash_rollout.layout import GiB, Layout
+from splash_rollout.scheduling import CollectiveCost, Deployment, StepBatch, load_profile, step_time
+from splash_rollout.scheduling.numeric_fit import levenberg_marquardt, nnls
+from splash_rollout.scheduling.platforms import load_serving, save_serving, spec_serving
+from splash_rollout.sim import paper
+
+
+@pytest.fixture(scope="module")
+def b200():
+    return paper.base_serving("b200")
+
+
+def _cost(dep, layout, batch, profile=None):
+    return step_time(layout, batch, dep.model, profile or dep.profile, dep.sizes)
+
+
+def test_pools_reproduce_table_3_on_b200(b200):
+    table = paper.paper_data()["pools"]["B200"]
+    for l, fp in b200.prefill.footprints.items():
+        gib, _, distinct = table[l.value]
+        assert fp.distinct_tokens == distinct
+        assert fp.pool_bytes_per_rank / GiB == pytest.approx(gib, abs=0.01)
+
+
+def test_per_layout_fixed_costs_are_charged_where_they_belong():
+    dep = Deployment.build("glm-5", "b200")
+    prof = dep.profile.replace(layout_step_s={"dp": 0.1}, layout_request_s={"dp": 0.5}, layout_token_s={"dp": 1e-6})
+    b = StepBatch.make([4096, 4096, 10], [4096, 4096, 1], [0, 1, 2], prefill_done=2)
+    for l in (Layout.DP, Layout.TP):
+        extra = _cost(dep, l, b, prof).stages["overhead"] - _cost(dep, l, b).stages["overhead"]
+        # 0.1 per step + 2 finished prefills x 0.5 + 8192 prefill rows (the decode row is not one) x 1 us
+        assert extra == pytest.approx(0.1 + 1.0 + 8192e-6 if l is Layout.DP else 0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="prefill_done"):
+        StepBatch.make([8], [8], [0], prefill_done=2)
+
+
+def test_stage_scale_for_one_layout_overrides_the_shared_one():
+    dep = Deployment.build("glm-5", "b200")
+    prof = dep.profile.replace(stage_scale={"attention": 3.0, "attention/dp": 2.0})
+    b = StepBatch.make([65536] * 8, 1, np.arange(8))
+    for l, k in ((Layout.DP, 2.0), (Layout.CP, 3.0)):
+        base, scaled = _cost(dep, l, b).stages, _cost(dep, l, b, prof).stages
+        assert scaled["attention"] == pytest.approx(k * base["attention"])
+        assert scaled["indexer"] == pytest.approx(k * base["indexer"])
+        assert scaled["mlp"] == pytest.approx(base["mlp"])
+    with pytest.raises(ValueError, match="stage_scale"):
+        dep.profile.replace(stage_scale={"attention/xx": 1.0})
+
+
+def test_dop_runs_the_input_projections_on_the_owner_rows_only():
+    dep = Deployment.build("glm-5", "b200")
+    b = StepBatch.make([16384] * 8, [16384] * 8, np.arange(8))  # compute-bound prefill, one request per owner
+    tp, dp, dop = (_cost(dep, l, b).stages["attn_in"] for l in (Layout.TP, Layout.DP, Layout.DOP))
+    assert dop == pytest.approx(dp) and dop == pytest.approx(tp / 8)
+
+
+def test_dop_collectives_by_hand():
+    """Latency 0, 1 B/s: the attention collectives' seconds are the busiest rank's bytes per layer."""
+    dep = Deployment.build("glm-5", "b200")
+    one = CollectiveCost(0.0, 1.0)
+    prof = dep.profile.replace(all_gather=one, all_to_all=one, all_reduce=one)
+    t, n, hd, h = 8, 8, 6144, 64  # one decode row per owner
+    b = StepBatch.make([1000] * 8, 1, np.arange(8))
+    per_layer = _cost(dep, Layout.DOP, b, prof).stages["attn_comm"] / 78
+    q_latent = 7 * 2048 * 2  # the other owners' q latent rows
+    a2a = lambda width: max(7 * (h / t) * width * 2, 1 * h * 7 / 8 * width * 2)  # sent vs received
+    reduce_scatter = n * hd * 2 * 7 / 8
+    gather_back = 7 * hd * 2
+    assert per_layer == pytest.approx(q_latent + a2a(576) + a2a(512) + reduce_scatter + gather_back)
+
+
+def test_chunked_prefill_step_counts():
+    dep = paper._unit(paper.base_serving("b200").prefill)
+    # TP: 16,384 rows per step over the group; DP-attention / DOP: 2,048 per owner
+    assert paper.prefill_features(dep, Layout.TP, 65536, 4)[1] == 16
+    assert paper.prefill_features(dep, Layout.DP, 65536, 4)[1] == 32  # 4 owners busy, 32 chunks each
+    assert paper.prefill_features(dep, Layout.DOP, 65536, 12)[1] == 64  # 4 owners hold 2 requests
+    assert paper.prefill_features(dep, Layout.DP, 1024, 16)[1] == 1  # two 1K prompts per owner per step
+    assert paper.prefill_features(dep, Layout.CP, 1024, 32)[1] == 2
+
+
+def test_prediction_is_the_sum_of_priced_steps(b200):
+    """With constants set by hand the batch time is: every prefill step priced by step_time with the
+    profile, plus decode x scale, the last prompt's transfer, the batch constant."""
+    cols = paper.columns(paper.PER_LAYOUT_DEFAULT)
+    coef = {c: 0.0 for c in cols}
+    coef.update({c: 1.3 for c in cols if c.split("/")[0] in ("compute", "attention", "comm")})
+    coef.update({"overhead": 1.0, "steps/tp": 0.01, "requests/tp": 0.2, "tokens/tp": 1e-6, "decode": 2.0,
+                 "transfer_bytes": 1e-10, "batch": 3.0})
+    s = paper.with_coefficients(b200, cols, [coef[c] for c in cols])
+    pt = paper.Point("x", 65536, 2, {l: 1.0 for l in paper.LAYOUT_NAMES})
+    got = pt.tokens / (paper.predict(s, [pt])[0, 0] * 1e3)
+    dep = s.prefill
+    steps = 0.0
+    for i in range(2):  # TP: requests one after the other, 4 chunks each
+        for j in range(4):
+            b = StepBatch.make([(j + 1) * 16384], [16384], [0], sampling_rows=1 if j == 3 else 0,
+                               prefill_done=1 if j == 3 else 0)
+            steps += _cost(dep, Layout.TP, b).seconds
+    dec = paper.decode_seconds(paper.base_serving("b200").decode, 65536, 2)
+    want = steps + 2.0 * dec + 65536 * dep.sizes.kv_bytes_per_token_total * 1e-10 + 3.0
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_fit_recovers_constants_it_was_given(b200):
+    pts = paper.points("b200", ["B16_in", "64K_bs"])
+    table = paper.feature_table(b200, pts)
+    cols = paper.columns(paper.PER_LAYOUT_DEFAULT)
+    rng = np.random.default_rng(1)
+    truth = {c: 0.0 for c in cols}
+    truth.update({c: float(rng.uniform(0.5, 2.0)) for c in cols if c.split("/")[0] in ("compute", "attention", "comm")})
+    truth.update({"overhead": 1.0, "steps/dp": 0.05, "requests/cp": 0.4, "decode": 1.5, "transfer_bytes": 1e-9,
+                  "batch": 2.0})
+    secs = paper.design(table, cols) @ np.array([truth[c] for c in cols])
+    synthetic = [paper.Point(p.sweep, p.input_tokens, p.batch,
+                             {l: p.tokens / secs[i, k] / 1e3 for k, l in enumerate(paper.LAYOUT_NAMES)})
+                 for i, p in enumerate(pts)]
+    fitted, info = paper.fit(b200, synthetic, table, prior_weight=0.0)
+    assert info["max_abs_error"] < 1e-6
+    got = paper.predict(fitted, synthetic, table)
+    want = np.array([[p.measured[l] for l in paper.LAYOUT_NAMES] for p in synthetic])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_nnls_meets_the_optimality_conditions():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((40, 6)), rng.standard_normal(40)
+    x = nnls(a, b)
+    grad = a.T @ (a @ x - b)
+    assert (x >= 0).all()
+    np.testing.assert_allclose(grad[x > 0], 0.0, atol=1e-9)
+    assert (grad[x == 0] >= -1e-9).all()
+
+
+def test_levenberg_marquardt_solves_rosenbrock_within_bounds():
+    f = lambda x: np.array([x[0] - 1.0, 10.0 * (x[1] - x[0] ** 2)])
+    x, r, _ = levenberg_marquardt(f, np.array([-1.2, 1.0]), np.array([-5.0, -5.0]), np.array([5.0, 5.0]))
+    np.testing.assert_allclose(x, [1.0, 1.0], atol=1e-6)
+    x, _, _ = levenberg_marquardt(f, np.array([0.0, 0.0]), np.array([-5.0, -5.0]), np.array([0.5, 5.0]))
+    assert x[0] == pytest.approx(0.5, abs=1e-6)
+
+
+def test_serving_yaml_round_trip(tmp_path, b200):
+    save_serving(b200, tmp_path / "s.yaml")
+    back = load_serving(tmp_path / "s.yaml")
+    assert back.prefill.profile == b200.prefill.profile and back.prefill.pools == b200.prefill.pools
+    assert back.decode.world_size == 16 and back.kv_transfer_Bps == b200.kv_transfer_Bps
+    with pytest.raises(ValueError, match="platform or file"):
+        load_serving(tmp_path / "missing.yaml")
+    assert load_profile("b200-paper").world_size == 8
+
+
+def test_cli_fit_and_paper(tmp_path, capsys):
+    from splash_rollout.sim.__main__ import main
+
+    out, js = tmp_path / "h.yaml", tmp_path / "p.json"
+    assert main(["fit", "--platform", "h200", "--train", "B16_in", "--out", str(out)]) == 0
+    assert main(["paper", "--platform", "h200", "--profile", str(out), "--eval", "B32_in", "--json", str(js)]) == 0
+    res = json.loads(js.read_text())
+    p = res["points"][0]
+    assert set(p) >= {"sweep", "input_tokens", "B", "predicted", "chosen", "regret"}
+    assert set(p["predicted"]) == {"tp", "cp", "dp", "dop"} and p["chosen"] in p["predicted"]
+    assert 0.0 <= p["regret"] < 1.0 and len(res["points"]) == 7
+    assert main(["fit", "--platform", "h200", "--train", "B99", "--out", str(out)]) == 2
+    assert "--train" in capsys.readouterr().err
+    assert main(["paper", "--platform", "tpu"]) == 2
+    assert "--platform" in capsys.readouterr().err
+
+
+def test_named_workloads_and_drain_ratios():
+    from splash_rollout.sim.runs import WORKLOADS, drain, named_workload
+
+    paper_work = named_workload("paper")
+    assert paper_work.size == 2048 + 8 and (paper_work.prompt[-8:] >= 256 * 1024).all()
+    assert (paper_work.prompt[:2048] <= 4096).all() and (paper_work.output <= paper_work.max_new).all()
+    for name in WORKLOADS:
+        assert named_workload(name).size > 0
+    with pytest.raises(ValueError, match="--workload"):
+        named_workload("nope")
+    r = drain(Deployment.build("glm-5", "b200-paper"), named_workload("tail-only"))
+    tps = r["tokens_per_s"]
+    assert r["ratio_adaptive_vs_dp"] == pytest.approx(tps["adaptive"] / tps["dp"])
+    assert r["switch_path"].split()[0] == r["timeline"][0]["layout"]
+    assert r["switch_path"].count("->") == len(r["switches"])
