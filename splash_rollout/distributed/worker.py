@@ -38,6 +38,7 @@ which ``multiprocessing`` aliases to ``__main__`` in the caller, so answers unpi
 loading_caller_main = False
 """True while a rank executes the caller's main program to find a call's function (a program that
 starts ranks again at import time is refused instead of recursing)."""
+_caller_main: ModuleType | None = None
 
 
 def send(conn: Connection, lock: threading.Lock, msg: tuple) -> None:
@@ -47,9 +48,9 @@ def send(conn: Connection, lock: threading.Lock, msg: tuple) -> None:
 
 
 def _load_caller_main(path: str | None) -> ModuleType:
-    global loading_caller_main
-    if CALLER_MAIN in sys.modules:
-        return sys.modules[CALLER_MAIN]
+    global loading_caller_main, _caller_main
+    if _caller_main is not None:
+        return _caller_main
     if path is None:
         raise RuntimeError("a call's function lives in the caller's __main__, which has no file "
                            "(python -c, stdin, a notebook); define it in an importable module")
@@ -57,15 +58,17 @@ def _load_caller_main(path: str | None) -> ModuleType:
     if spec is None or spec.loader is None:
         raise RuntimeError(f"cannot load the caller's main program {path!r} to find a call's function")
     module = importlib.util.module_from_spec(spec)
+    before = sys.modules.get(CALLER_MAIN)  # multiprocessing aliases it to this worker module
     sys.modules[CALLER_MAIN] = module
     loading_caller_main = True
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[CALLER_MAIN]
+        sys.modules[CALLER_MAIN] = before
         raise
     finally:
         loading_caller_main = False
+    _caller_main = module
     return module
 
 

@@ -57,3 +57,33 @@ def test_a_rank_that_fails_to_start_raises_with_its_traceback(stage, message, mo
     with pytest.raises(RankFailure, match=message + rf"InjectedFault: SPLASH_FAULT=rank_start:{stage}@1: injected "
                                                     rf"failure in rank_start of stage {stage} on rank 1"):
         WorkerGroup(2, timeout_s=30, threads_per_rank=1)
+
+
+GUARDED_SCRIPT = '''
+from dataclasses import dataclass
+
+from splash_rollout.distributed.launch import WorkerGroup
+
+
+@dataclass
+class Point:
+    rank: int
+    doubled: int
+
+
+def double_on_rank(ctx, x):
+    return Point(ctx.rank, 2 * x)
+
+
+if __name__ == "__main__":
+    with WorkerGroup(2, timeout_s=30, threads_per_rank=1) as group:
+        print("POINTS", group.run(double_on_rank, 21))
+'''
+
+
+def test_a_function_and_a_class_from_a_guarded_scripts_main_run_on_the_ranks(tmp_path):
+    script = tmp_path / "guarded.py"
+    script.write_text(GUARDED_SCRIPT)
+    proc = _python([str(script)], cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "POINTS [Point(rank=0, doubled=42), Point(rank=1, doubled=42)]" in proc.stdout
