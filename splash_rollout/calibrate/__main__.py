@@ -26,6 +26,10 @@ from splash_rollout.scheduling.profile import CollectiveCost, HardwareProfile, s
 
 CAL_BATCHES = (1, 3, 8, 24)
 CAL_CONTEXTS = (32, 128, 512, 768)
+QUICK_BATCHES = (1, 4, 12)
+QUICK_CONTEXTS = (32, 256)
+"""``--quick``: a grid that runs in well under a minute, to check the command end to end (its fit is
+rougher than the default grid's)."""
 
 
 def _microbenchmarks(group, world_size: int, memory_gib: float) -> HardwareProfile:
@@ -93,15 +97,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profile.yaml", help="YAML profile path")
     parser.add_argument("--no-engine-fit", action="store_true", help="microbenchmarks only (seconds, not minutes)")
     parser.add_argument("--model", default="glm5-nano", help="model the engine grid runs")
-    parser.add_argument("--batches", type=positive_ints, default=list(CAL_BATCHES), help="engine grid batch sizes")
-    parser.add_argument("--contexts", type=positive_ints, default=list(CAL_CONTEXTS), help="engine grid prompt lengths")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh batches per grid point (median)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small engine grid (B {list(QUICK_BATCHES)} x context {list(QUICK_CONTEXTS)}, "
+                             f"1 repeat) that checks the command end to end")
+    parser.add_argument("--batches", type=positive_ints, default=None,
+                        help=f"engine grid batch sizes (default {','.join(map(str, CAL_BATCHES))})")
+    parser.add_argument("--contexts", type=positive_ints, default=None,
+                        help=f"engine grid prompt lengths (default {','.join(map(str, CAL_CONTEXTS))})")
+    parser.add_argument("--repeats", type=int, default=None, help="fresh batches per grid point (median; default 3)")
     parser.add_argument("--measured", help="fit a grid measured before (its --points-json) instead of measuring")
     parser.add_argument("--points-json", help="write the measured grid and the fit report here")
     args = parser.parse_args(argv)
     if args.world_size < 1:
         print(f"{parser.prog}: error: --world-size: expected a positive integer, got {args.world_size}",
               file=sys.stderr)
+        return 2
+    batches = args.batches or list(QUICK_BATCHES if args.quick else CAL_BATCHES)
+    contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else CAL_CONTEXTS)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        print(f"{parser.prog}: error: --repeats: expected a positive integer, got {repeats}", file=sys.stderr)
         return 2
     if args.measured:
         with open(args.measured) as f:
@@ -110,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         profile, report = fit_measured(base, saved["points"], saved.get("model", args.model))
     else:
         profile, report = calibrate(args.world_size, args.memory_gib, not args.no_engine_fit, args.model,
-                                    args.batches, args.contexts, args.repeats)
+                                    batches, contexts, repeats)
     save_profile(profile, args.out)
     if args.points_json and report:
         with open(args.points_json, "w") as f:

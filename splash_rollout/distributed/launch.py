@@ -1,36 +1,45 @@
 """Launching T ranks from one Python process: ``WorkerGroup``.
 
-A plain Python process (a notebook, a test, ``RolloutEngine`` outside torchrun) spawns T worker
-processes once; each joins the process groups and then serves calls: ``group.run(fn, *args)`` runs
-``fn(ctx, *args)`` on every rank (``ctx`` is the rank's ``WorkerContext``) and returns the T results
-in rank order. ``fn`` must be importable (a module-level function). Workers keep state between calls
-in ``ctx.state``, which is how an engine lives in them.
+A plain Python process (a script, ``python -c``, a program on stdin, a notebook, a test,
+``RolloutEngine`` outside torchrun) starts T rank processes once; each joins the process groups
+and then serves calls: ``group.run(fn, *args)`` runs ``fn(ctx, *args)`` on every rank (``ctx`` is
+the rank's ``WorkerContext``) and returns the T results in rank order. ``fn`` must be importable
+(a module-level function). Workers keep state between calls in ``ctx.state``, which is how an
+engine lives in them.
 
-Nothing waits forever: every call has a timeout, a worker that dies is noticed within a poll
-interval and named in the error, and an exception on any rank comes back with its traceback. The
-timeout bounds silence, not the call: a long call stays alive while its ranks send heartbeats
-(``ctx.heartbeat(info)``, e.g. once per engine step), so a 10-minute rollout is fine and a rank that
-stops answering is an error ``timeout_s`` after its last sign of life.
+Each rank is a fresh ``python -m splash_rollout.distributed.worker`` process (what torchrun does)
+with the caller's ``sys.path``, working directory and environment, connected to the caller by a
+private socket pair (``rank_process.py``); it never re-imports the caller's main program to start, so nothing in the
+caller needs an ``if __name__ == "__main__":`` guard. The protocol is in ``worker.py``.
 
-``group.interrupt`` is an event shared with every worker: the caller sets it (from any thread) to
-ask a running call to stop early; functions poll ``ctx.interrupted()`` at safe points.
+Nothing waits forever: every call has a timeout, a worker that dies is noticed at once (its socket
+closes) and named in the error together with the tail of its stderr, and an exception on any rank
+comes back with its traceback. The timeout bounds silence, not the call: a long call stays alive
+while its ranks send heartbeats (``ctx.heartbeat(info)``, e.g. once per engine step), so a
+10-minute rollout is fine and a rank that stops answering is an error ``timeout_s`` after its last
+sign of life.
+
+``group.interrupt`` asks a running call to stop early: the caller sets it (from any thread), every
+rank's reader thread sets its own event, and functions poll ``ctx.interrupted()`` at safe points.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
+import subprocess
+import sys
+import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splash_rollout.distributed.groups import DEFAULT_TIMEOUT_S, ProcessGroups, init_process_groups
+from splash_rollout.distributed.failure import RankFailure
+from splash_rollout.distributed.groups import DEFAULT_TIMEOUT_S, ProcessGroups
+from splash_rollout.distributed.rank_process import Interrupt, RankProcess, rank_argv, rank_env
 
-
-class RankFailure(RuntimeError):
-    """A rank died, timed out or raised; the message says which and why."""
+__all__ = ["RankFailure", "WorkerContext", "WorkerGroup", "free_port"]
 
 
 @dataclass
@@ -39,8 +48,8 @@ class WorkerContext:
 
     groups: ProcessGroups
     state: dict[str, Any] = field(default_factory=dict)
-    interrupt: Any = None
-    """The group's shared ``multiprocessing.Event`` (see ``WorkerGroup.interrupt``)."""
+    interrupt: threading.Event | None = None
+    """Set by the rank's reader thread while the caller's ``WorkerGroup.interrupt`` is set."""
     _beat: Callable[[Any], None] | None = None
     _last_beat: float = 0.0
 
@@ -71,75 +80,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float, threads: int,
-                 calls: Any, results: Any, interrupt: Any = None) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        ctx = WorkerContext(init_process_groups(rank, world_size, "127.0.0.1", port, backend, timeout_s),
-                            interrupt=interrupt)
-        results.put((rank, "ready", None))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, "error", traceback.format_exc()))
-        return
-    while True:
-        item = calls.get()
-        if item is None:
-            break
-        call_id, fn, args, kwargs = item
-        ctx._beat = lambda info, cid=call_id: results.put((rank, cid, ("beat", info)))
-        try:
-            results.put((rank, call_id, ("ok", fn(ctx, *args, **kwargs))))
-        except BaseException:  # noqa: BLE001
-            results.put((rank, call_id, ("error", traceback.format_exc())))
-    from splash_rollout.distributed.groups import destroy_process_groups
-
-    destroy_process_groups()
-
-
 class WorkerGroup:
-    """T spawned ranks serving ``run`` calls. Use as a context manager or call ``shutdown``."""
+    """T rank processes serving ``run`` calls. Use as a context manager or call ``shutdown``."""
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  threads_per_rank: int | None = None, start_timeout_s: float = 120.0):
         if world_size < 1:
             raise ValueError(f"world_size: expected a positive integer, got {world_size}")
+        worker = sys.modules.get("splash_rollout.distributed.worker")
+        if worker is not None and worker.loading_caller_main:
+            raise RuntimeError("WorkerGroup: a rank loaded the caller's main program to find a call's function, and "
+                               "that program starts ranks when imported; put its top-level code under "
+                               "`if __name__ == \"__main__\":` or move the function into a module")
         self.world_size, self.timeout_s = world_size, timeout_s
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self._results = ctx.Queue()
-        self._calls = [ctx.Queue() for _ in range(world_size)]
-        self.interrupt = ctx.Event()
+        self._answers: queue.Queue = queue.Queue()
+        """(rank, pickled message), or (rank, None) once the rank's socket closed."""
+        argv, env = rank_argv(world_size, free_port(), backend, timeout_s, threads), rank_env()
+        self._ranks: list[RankProcess] = []
+        self.interrupt = Interrupt(self._ranks)
         """Set by the caller (any thread) to ask the running call to stop early; see ``WorkerContext``."""
         self.progress: dict[int, Any] = {}
         """rank -> the info of its latest heartbeat in the running call (empty between calls)."""
-        self._procs = [ctx.Process(target=_worker_main, name=f"splash-rank{r}", daemon=True,
-                                   args=(r, world_size, port, backend, timeout_s, threads, self._calls[r],
-                                         self._results, self.interrupt))
-                       for r in range(world_size)]
         self._next_call, self._closed = 0, False
-        for p in self._procs:
-            p.start()
+        self._has_main_file = "--main-path" in argv
         try:
+            for r in range(world_size):
+                self._ranks.append(RankProcess(r, argv + ["--rank", str(r)], env, self._answers))
             self._collect("ready", start_timeout_s, what="start")
         except BaseException:
             self.shutdown(force=True)
             raise
 
+    def _decode(self, rank: int, data: bytes, what: str) -> tuple:
+        try:
+            return pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - e.g. a class this process cannot import
+            raise RankFailure(f"rank {rank}: its answer to {what} cannot be unpickled here: "
+                              f"{type(e).__name__}: {e}") from e
+
     def _check_alive(self, what: str) -> None:
-        for rank, p in enumerate(self._procs):
-            if not p.is_alive():
-                raise RankFailure(f"rank {rank} died during {what} (exit code {p.exitcode})")
+        for r in self._ranks:
+            if r.exitcode is not None:
+                raise r.died(what)
 
     def _blame_dead_rank(self, what: str, seen: str, grace_s: float = 1.0) -> None:
         """A peer's death shows up on survivors as a broken connection; name the dead rank instead."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            for rank, p in enumerate(self._procs):
-                if not p.is_alive():
-                    raise RankFailure(f"rank {rank} died during {what} (exit code {p.exitcode}); {seen}")
+            for r in self._ranks:
+                if r.exitcode is not None:
+                    raise r.died(what, seen)
             time.sleep(0.05)
 
     def _describe_errors(self, what: str, call_id: Any, errors: dict[int, str], grace_s: float = 3.0) -> str:
@@ -148,18 +139,31 @@ class WorkerGroup:
         deadline = time.monotonic() + grace_s
         while len(errors) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, cid, payload = self._results.get(timeout=0.2)
+                rank, data = self._answers.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if cid == call_id and payload[0] == "error":  # (heartbeats are skipped)
-                errors[rank] = payload[1]
+            if data is None:
+                continue
+            msg = self._decode(rank, data, what)
+            if msg[0] == "error" and msg[1] == call_id:  # (heartbeats are skipped)
+                errors[rank] = msg[2]
         causes = [r for r, tb in errors.items() if "Timed out" not in tb and "Connection closed" not in tb]
         lead = min(causes) if causes else min(errors)
         others = "".join(f"\n  rank {r}: {tb.strip().splitlines()[-1]}" for r, tb in sorted(errors.items()) if r != lead)
         return f"rank {lead} raised during {what}:\n{errors[lead]}" + (f"\nother ranks:{others}" if others else "")
 
+    def _on_closed(self, rank: int, what: str) -> RankFailure:
+        """Rank ``rank``'s socket closed: it died (or is dying); wait for its exit code and stderr."""
+        proc = self._ranks[rank]
+        try:
+            proc.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            return RankFailure(f"rank {rank} closed its connection during {what} but is still running")
+        return proc.died(what)
+
     def _collect(self, call_id: Any, timeout_s: float, what: str) -> list[Any]:
-        """The T answers to one call. ``timeout_s`` bounds silence: every heartbeat restarts it."""
+        """The T answers to one call (``"ready"``: to start). ``timeout_s`` bounds silence: every
+        heartbeat restarts it."""
         deadline = time.monotonic() + timeout_s
         got: dict[int, Any] = {}
         while len(got) < self.world_size:
@@ -169,65 +173,95 @@ class WorkerGroup:
                 raise RankFailure(f"{what}: ranks {missing} did not answer (no result and no heartbeat) "
                                   f"within {timeout_s:.0f} s; last heartbeats: {self.progress or 'none'}")
             try:
-                rank, cid, payload = self._results.get(timeout=min(0.5, remaining))
+                rank, data = self._answers.get(timeout=min(0.5, remaining))
             except queue.Empty:
                 self._check_alive(what)
                 continue
-            if cid == "error":
-                raise RankFailure(f"rank {rank} failed to {what}:\n{payload}")
-            if cid != call_id:
+            if data is None:
+                raise self._on_closed(rank, what)
+            msg = self._decode(rank, data, what)
+            kind = msg[0]
+            if kind == "hello":
+                self._check_same_package(rank, msg[1])
+            elif kind == "start_error":
+                raise RankFailure(f"rank {rank} failed to {what}:\n{msg[1]}")
+            elif kind == "ready":
+                if call_id == "ready":
+                    got[rank] = None
+            elif msg[1] != call_id:
                 continue  # a late answer to an abandoned call
-            if call_id == "ready":
-                got[rank] = None
-                continue
-            status, value = payload
-            if status == "beat":
-                self.progress[rank] = value
+            elif kind == "beat":
+                self.progress[rank] = msg[2]
                 deadline = time.monotonic() + timeout_s
-                continue
-            if status == "error":
-                self._blame_dead_rank(what, f"rank {rank} saw: {value.strip().splitlines()[-1]}")
-                raise RankFailure(self._describe_errors(what, call_id, {rank: value}))
-            got[rank] = value
+            elif kind == "error":
+                self._blame_dead_rank(what, f"rank {rank} saw: {msg[2].strip().splitlines()[-1]}")
+                raise RankFailure(self._describe_errors(what, call_id, {rank: msg[2]}))
+            else:
+                got[rank] = msg[2]
         return [got[r] for r in range(self.world_size)]
+
+    @staticmethod
+    def _check_same_package(rank: int, path: str) -> None:
+        import splash_rollout
+
+        ours = os.path.abspath(splash_rollout.__file__)
+        if os.path.realpath(path) != os.path.realpath(ours):
+            raise RankFailure(f"rank {rank} imported splash_rollout from {path}, this process from {ours}; "
+                              f"check PYTHONPATH and the working directory")
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """``fn(ctx, *args, **kwargs)`` on every rank; results in rank order."""
+        what = getattr(fn, "__name__", "call")
         if self._closed:
             raise RuntimeError("WorkerGroup: run() after shutdown()")
-        self._check_alive(getattr(fn, "__name__", "call"))
+        if getattr(fn, "__module__", None) == "__main__" and not self._has_main_file:
+            raise ValueError(f"{what}: defined in __main__ of a program without a file (python -c, stdin, a "
+                             f"notebook), which the ranks cannot import; define it in a module")
+        try:
+            payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - e.g. a lambda, a nested function, an open file
+            raise TypeError(f"{what}: a WorkerGroup call needs a module-level function and picklable "
+                            f"arguments: {type(e).__name__}: {e}") from e
+        self._check_alive(what)
         self._next_call += 1
         call_id = self._next_call
         self.progress = {}
-        for q in self._calls:
-            q.put((call_id, fn, args, kwargs))
         try:
-            return self._collect(call_id, timeout_s or self.timeout_s, what=getattr(fn, "__name__", "call"))
+            for r in self._ranks:
+                try:
+                    r.send(("call", call_id, payload))
+                except OSError:
+                    raise self._on_closed(r.rank, what) from None
+            return self._collect(call_id, timeout_s or self.timeout_s, what=what)
         finally:
             self.progress = {}
 
     @property
     def alive(self) -> bool:
-        return not self._closed and all(p.is_alive() for p in self._procs)
+        return not self._closed and all(r.exitcode is None for r in self._ranks)
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [r.proc.pid for r in self._ranks]
+
+    @property
+    def exit_codes(self) -> list[int | None]:
+        """Each rank's exit code (negative: killed by that signal), None while it runs."""
+        return [r.exitcode for r in self._ranks]
 
     def shutdown(self, force: bool = False, timeout_s: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
         if not force:
-            for q in self._calls:
-                q.put(None)
-            deadline = time.monotonic() + timeout_s
-            for p in self._procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
+            for r in self._ranks:
+                try:
+                    r.send(("stop",))
+                except OSError:
+                    pass  # already gone
+        deadline = time.monotonic() + timeout_s
+        for r in self._ranks:
+            r.close(kill=force, timeout_s=max(0.1, deadline - time.monotonic()))
 
     def __enter__(self) -> "WorkerGroup":
         return self

@@ -1,5 +1,10 @@
 """The calibration command measures this group and writes a profile the scheduler loads."""
-from splash_rollout.calibrate.__main__ import main
+import json
+
+import pytest
+
+from splash_rollout.calibrate.__main__ import QUICK_BATCHES, QUICK_CONTEXTS, main
+from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.scheduling.profile import load_profile
 
 
@@ -11,3 +16,16 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
     for cost in (profile.all_gather, profile.all_to_all, profile.all_reduce):
         assert cost.latency_s > 0 and cost.bandwidth_Bps > 0
     assert main(["--world-size", "0"]) == 2 and "--world-size" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_quick_measures_the_engine_grid_and_fits_it(tmp_path):
+    """``--quick``: microbenchmarks, the small engine grid on every layout, the fit, a profile."""
+    out, points = tmp_path / "p.yaml", tmp_path / "points.json"
+    assert main(["--world-size", "2", "--quick", "--out", str(out), "--points-json", str(points)]) == 0
+    profile = load_profile(str(out))
+    assert profile.world_size == 2 and profile.engine == "torch_ref" and profile.request_step_s > 0
+    report = json.loads(points.read_text())
+    grid = {(p["layout"], p["batch"], p["context"]) for p in report["points"]}
+    assert grid == {(layout.value, b, s) for layout in ALL_LAYOUTS for b in QUICK_BATCHES for s in QUICK_CONTEXTS}
+    assert 0 <= report["fit"]["median_abs_error"] < 1.0

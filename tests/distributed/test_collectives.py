@@ -78,7 +78,9 @@ def test_an_exception_on_one_rank_names_it(group2):
 
 def die_on_rank_one(ctx):
     import os
+    import sys
     if ctx.rank == 1:
+        print("rank one gives up", file=sys.stderr, flush=True)
         os._exit(3)
     x = torch.ones(1)
     _comm(ctx).all_reduce(x)  # rank 0 waits for a peer that is gone
@@ -91,6 +93,7 @@ def test_a_dead_rank_is_an_error_not_a_hang():
     from splash_rollout.distributed.launch import WorkerGroup
     start = time.monotonic()
     with WorkerGroup(2, timeout_s=30, threads_per_rank=1) as group:
-        with pytest.raises(RankFailure, match=r"rank 1 died during die_on_rank_one \(exit code 3\)"):
+        with pytest.raises(RankFailure, match=r"rank 1 died during die_on_rank_one \(exit code 3\)(.|\n)*"
+                                              r"rank 1 stderr \(last lines\):\nrank one gives up"):
             group.run(die_on_rank_one)
     assert time.monotonic() - start < 60
