@@ -38,8 +38,12 @@ class EngineConfig:
     profile: str = "cpu"
     """Hardware profile the auto policy prices layouts with: a preset (cpu, h100, h200, b200) or a
     YAML file (scheduling/profile.py); its rates are used, the engine's own pools replace its memory."""
-    attention_backend: str = "torch_ref"
+    attention_backend: str = "torch"
+    """``torch``: one layer for every request of a step in a few batched tensor ops (the default);
+    ``torch_ref``: one exact attention per request, the reference the others are tested against."""
     device: str = "cpu"
+    """Where every engine tensor lives (weights, KV pool, block tables, batch, logits): ``cpu``,
+    ``cuda`` (rank r on GPU r mod the device count) or an explicit ``cuda:N``."""
     tokenizer: str | None = None
     """Tokenizer name or path for string prompts; None: the model's (checkpoint folder or preset)."""
     switch_schedule: dict | None = None
@@ -84,6 +88,10 @@ class EngineConfig:
             raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
         if str(self.layout).lower() != "auto":
             Layout.parse(self.layout, "layout")
+        from splash_rollout.engine.attention import available_backends
+
+        if self.attention_backend not in available_backends():
+            raise ValueError(f"attention_backend: expected one of {available_backends()}, got {self.attention_backend!r}")
         if self.numerics not in NUMERICS_MODES:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         for step, name in (self.switch_schedule or {}).items():
