@@ -1,4 +1,4 @@
-"""Every fixed layout on T ranks equals the single-rank engine (DESIGN.md §3; issue 4)."""
+"""Every fixed layout on T ranks equals the single-rank engine, with either attention backend."""
 import pytest
 
 from tests.distributed.layout_cases import run_layout, single_rank
@@ -36,3 +36,9 @@ def test_layouts_on_four_ranks_equal_single_rank(group4, oracle, layout):
 def test_sampled_runs_with_per_sample_seeds_match_in_every_layout(group2, layout):
     want = single_rank("glm5-nano", temperature=1.0)
     _check(group2.run(run_layout, "glm5-nano", layout, 1.0, timeout_s=300)[0], want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reference_backend_in_every_layout_equals_the_batched_single_rank(group2, oracle, layout):
+    """The per-request oracle backend on two ranks gives the batched backend's single-rank tokens."""
+    _check(group2.run(run_layout, "glm5-nano", layout, 0.0, "torch_ref", timeout_s=300)[0], oracle["glm5-nano"])
