@@ -1,4 +1,4 @@
-"""Draining RL rollout on T CPU ranks: each fixed layout, ``auto``, and transformers ``generate``.
+"""Draining RL rollout on T CPU ranks: each fixed layout, ``auto``, and two transformers peers.
 
 One workload, every system, one invocation (so the ratios come from the same machine state):
 ``num_prompts`` prompts x ``n`` samples on ``glm5-nano`` (seeded random init, float32), most
@@ -12,14 +12,28 @@ number of tokens. Sampling at temperature 1 (an RL rollout), seeded.
   a HF checkpoint), in this process with ``--threads`` torch threads, left-padded static batches of
   ``--hf-batch`` rows in workload order; a static batch runs until its longest row, which is what
   ``generate`` does with per-row lengths it cannot know in advance. Only requested tokens count.
+* ``transformers_cb``: the same checkpoint in transformers' own continuous batching
+  (``init_continuous_batching``, paged KV cache, ``sdpa`` attention -- flash needs CUDA), same
+  threads. Every sample is its own request with its own ``max_new_tokens`` and EOS off
+  (``add_request(..., max_new_tokens=m, eos_token_id=-1)``), so no row runs past its length and no
+  bucketing is needed; the cache is sized to hold every request (transformers would otherwise size
+  it from the host's free RAM), with the engine's page size, ``--max-num-batched-tokens`` per step and
+  ``--max-num-seqs`` running requests; seeded through ``ContinuousBatchingConfig(seed=...)``. One tiny
+  request drains through the started manager before the timed drain. transformers 5.24 refuses
+  DSA models here: its paged cache knows only ``full_attention`` / ``sliding_attention`` layers
+  (GLM-5 declares ``indexed_attention``), stores K/V per attention head rather than MLA's latent, and
+  has no indexer-key cache. The run then records the refusal under ``"unavailable"`` and leaves the
+  system out of ``tokens_per_s`` and the ratios, instead of timing a different model.
 
 tokens/s = response tokens / wall time of the generate call(s). Writes ``{"tokens_per_s": {...},
-"ratio_auto_vs_best_fixed", "runs": {layout: wall_s, steps, switches, phases, ...}, "workload"}``
+"ratio_auto_vs_best_fixed", "ratio_auto_vs_transformers", "ratio_auto_vs_transformers_cb",
+"unavailable": {system: why}, "runs": {layout: wall_s, steps, switches, phases, ...}, "workload"}``
 and optionally a bar chart.
 
     python benchmarks/rollout_drain.py --json docs/results/rollout_drain.json --png docs/results/rollout_drain.png
     python benchmarks/rollout_drain.py --json /tmp/drain.json --quick   # smoke test, < 1 min
     python benchmarks/rollout_drain.py --json out.json --backends torch_ref,torch   # both backends side by side
+    python benchmarks/rollout_drain.py --json /tmp/cb.json --quick --systems dp,transformers,transformers_cb
 """
 from __future__ import annotations
 
@@ -39,7 +53,10 @@ from splash_rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: 
 from splash_rollout.models.config import resolve_model  # noqa: E402
 
 FIXED = ("tp", "cp", "dp", "dop")
-SYSTEMS = FIXED + ("auto", "transformers")
+PEERS = ("transformers", "transformers_cb")
+SYSTEMS = FIXED + ("auto",) + PEERS
+CB_ATTENTION = "sdpa"  # continuous batching accepts sdpa, paged|eager or flash; flash needs CUDA
+CB_WAIT_S = 300.0  # longest silence of the continuous-batching loop before the run is declared stuck
 FULL = dict(num_prompts=64, n=4, short_prompt=(16, 128), long_prompt=(384, 768), long_fraction=0.125,
             response_mu=float(np.log(48.0)), response_sigma=1.0, min_response=8, max_response=512)
 # capacity-bound: a wide queue of short requests and a long tail under a budget (2.5 MiB per rank)
@@ -116,8 +133,12 @@ def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
     }
 
 
-def run_transformers(work: dict, args) -> dict:
-    """The same weights in transformers; static left-padded batches of ``args.hf_batch`` rows."""
+class PeerUnavailable(RuntimeError):
+    """transformers refuses this model in the requested mode: the system is reported, not timed."""
+
+
+def load_hf_peer(args, attn_implementation: str):
+    """Our seeded init of ``args.model`` saved as a HF checkpoint and loaded by transformers (float32)."""
     import transformers
 
     from splash_rollout.models.weights import save_checkpoint
@@ -125,13 +146,23 @@ def run_transformers(work: dict, args) -> dict:
 
     cfg = resolve_model(args.model)
     if cfg.model_type != "glm_moe_dsa":
-        raise ValueError(f"--model: the transformers peer maps glm_moe_dsa models, got {cfg.model_type}")
+        raise ValueError(f"--model: the transformers peers map glm_moe_dsa models, got {cfg.model_type}")
     config = EngineConfig(model=args.model, seed=args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(load_model(config, cfg), tmp)
-        hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
-    rows = [(p, m) for p, m in zip(work["prompts"], work["response_lens"]) for _ in range(work["n"])]
+        return transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp, dtype=torch.float32,
+                                                                 attn_implementation=attn_implementation).eval()
+
+
+def sample_rows(work: dict) -> list[tuple[list[int], int]]:
+    """(prompt ids, response length) per sample, the n samples of a prompt next to each other."""
+    return [(p, m) for p, m in zip(work["prompts"], work["response_lens"]) for _ in range(work["n"])]
+
+
+def run_transformers(work: dict, args) -> dict:
+    """The same weights in transformers; static left-padded batches of ``args.hf_batch`` rows."""
+    hf = load_hf_peer(args, "eager")
+    rows = sample_rows(work)
     torch.manual_seed(args.seed)
 
     def gen(batch: list[tuple[list[int], int]]) -> int:
@@ -159,6 +190,68 @@ def run_transformers(work: dict, args) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def run_transformers_cb(work: dict, args) -> dict:
+    """The same weights in transformers' continuous batching (paged cache, ``sdpa`` attention on CPU)."""
+    hf = load_hf_peer(args, CB_ATTENTION)
+    return drain_continuous(hf, sample_rows(work), args)
+
+
+def drain_continuous(hf, rows: list[tuple[list[int], int]], args) -> dict:
+    """Every row as its own continuous-batching request with its own ``max_new_tokens`` and EOS off.
+
+    The paged cache is sized to hold every row at once (transformers would otherwise size it from the
+    host's free RAM), with the engine's page size, token budget per step and running-request cap.
+    Raises ``PeerUnavailable`` when transformers will not build a continuous-batching manager for ``hf``."""
+    import transformers
+
+    page_size = max(4, EngineConfig().page_size)  # transformers needs at least 4 tokens per page
+    num_blocks = sum(-(-(len(p) + m) // page_size) for p, m in rows) + 1
+    gen_config = transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1,
+                                               max_new_tokens=max(m for _, m in rows))
+    cb_config = transformers.ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs, seed=args.seed, auto_switch_to_flash=False)
+    with torch.inference_mode():
+        try:
+            manager = hf.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+        except (ValueError, NotImplementedError) as e:
+            raise PeerUnavailable(f"transformers {transformers.__version__} continuous batching cannot run "
+                                  f"{type(hf).__name__}: {type(e).__name__}: {e}") from e
+        manager.start()
+        try:
+            drain_requests(manager, [(rows[0][0][:8], 2)])  # warm-up
+            start = time.perf_counter()
+            got = drain_requests(manager, rows)
+            wall = time.perf_counter() - start
+        finally:
+            manager.stop(block=True, timeout=CB_WAIT_S)
+            manager.destroy()
+    if got != [m for _, m in rows]:
+        raise RuntimeError("transformers_cb: response lengths differ from the requested ones")
+    tokens = sum(got)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "samples": len(rows),
+            "attn_implementation": hf.config._attn_implementation, "page_size": page_size, "num_blocks": num_blocks,
+            "max_batch_tokens": args.max_num_batched_tokens, "max_requests_per_batch": args.max_num_seqs,
+            "torch_threads": torch.get_num_threads()}
+
+
+def drain_requests(manager, rows: list[tuple[list[int], int]]) -> list[int]:
+    """Submit each row, wait for all of them; the generated length per row, in row order."""
+    ids = [manager.add_request(p, request_id=f"row{i}", max_new_tokens=m, eos_token_id=-1)
+           for i, (p, m) in enumerate(rows)]
+    done: dict[str, list[int]] = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=CB_WAIT_S)
+        if result is None:
+            state = "stopped" if not manager.is_running() else f"silent for {CB_WAIT_S} s"
+            raise RuntimeError(f"transformers_cb: generation loop {state} with {len(ids) - len(done)} requests open")
+        if result.error is not None:
+            raise RuntimeError(f"transformers_cb: request {result.request_id} failed: {result.error}")
+        if result.is_finished():
+            done[result.request_id] = list(result.generated_tokens)
+    return [len(done[i]) for i in ids]
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -166,9 +259,9 @@ def plot(result: dict, path: str) -> None:
 
     names = [s for s in SYSTEMS if s in result["tokens_per_s"]]  # the headline backend's runs
     vals = [result["tokens_per_s"][s] for s in names]
-    colors = ["tab:blue"] * len(FIXED) + ["tab:orange", "tab:gray"]
+    colors = {"auto": "tab:orange", "transformers": "tab:gray", "transformers_cb": "tab:brown"}
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar(names, vals, color=colors[: len(names)])
+    bars = ax.bar(names, vals, color=[colors.get(n, "tab:blue") for n in names])
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom")
     w = result["workload"]
@@ -197,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--profile", default="cpu", help="hardware profile auto prices layouts with")
     ap.add_argument("--hf-batch", type=int, default=64, help="rows per transformers generate call")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peer")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backends", default="torch",
                     help="comma list of attention backends the engine systems run with (e.g. torch_ref,torch): "
@@ -222,14 +315,22 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     # the last backend's runs carry the plain names (the headline numbers); earlier ones layout@backend
     jobs = [(f"{name}@{b}" if b != backends[-1] else name, name, b) for b in backends for name in systems
-            if name != "transformers" or b == backends[-1]]
+            if name not in PEERS or b == backends[-1]]
+    peers = {"transformers": run_transformers, "transformers_cb": run_transformers_cb}
+    unavailable: dict[str, str] = {}
     for key, name, backend in jobs:
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
-        runs[key] = run_transformers(work, args) if name == "transformers" else run_engine(name, work, args, backend)
+        try:
+            runs[key] = peers[name](work, args) if name in peers else run_engine(name, work, args, backend)
+        except PeerUnavailable as e:  # reported in the JSON, kept out of tokens_per_s and the ratios
+            unavailable[key] = str(e)
+            print(f"  {key:>16}: not run -- {e}", file=sys.stderr)
+            continue
         runs[key]["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
         print(f"  {key:>16}: {runs[key]['tokens_per_s']:8.1f} tokens/s  ({runs[key]['wall_s']:.1f} s timed, "
               f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
     tps = {k: v["tokens_per_s"] for k, v in runs.items()}
+    vs_peer = {peer: tps["auto"] / tps[peer] if {"auto", peer} <= set(tps) else None for peer in PEERS}
     backend_ratios = {f"{name}: {backends[-1]} / {b}": tps[name] / tps[f"{name}@{b}"]
                       for b in backends[:-1] for name in systems if f"{name}@{b}" in tps}
     fixed = {k: tps[k] for k in FIXED if k in tps}
@@ -238,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": tps,
         "ratio_auto_vs_best_fixed": tps["auto"] / fixed[best] if "auto" in tps and best else None,
         "best_fixed": best,
-        "ratio_auto_vs_transformers": tps["auto"] / tps["transformers"] if {"auto", "transformers"} <= set(tps) else None,
+        "ratio_auto_vs_transformers": vs_peer["transformers"],
+        "ratio_auto_vs_transformers_cb": vs_peer["transformers_cb"],
+        "unavailable": unavailable,
         "ratio_backends": backend_ratios,
         "model": args.model, "world_size": args.world_size, "quick": args.quick,
         "engine": {"memory_budget_gib": args.memory_budget_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -254,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         plot(result, args.png)
     print(json.dumps({k: result[k] for k in ("tokens_per_s", "ratio_auto_vs_best_fixed", "best_fixed",
-                                             "ratio_auto_vs_transformers", "ratio_backends")}, indent=1))
+                                             "ratio_auto_vs_transformers", "ratio_auto_vs_transformers_cb",
+                                             "unavailable", "ratio_backends")}, indent=1))
     return 0
 
 

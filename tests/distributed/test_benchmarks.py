@@ -24,8 +24,15 @@ def test_rollout_drain_quick(tmp_path):
     out, png = tmp_path / "drain.json", tmp_path / "drain.png"
     _run("rollout_drain.py", "--json", str(out), "--png", str(png), "--quick")
     r = json.loads(out.read_text())
-    systems = {"tp", "cp", "dp", "dop", "auto", "transformers"}
+    # transformers' continuous batching either runs (and is checked like the rest) or says why not
+    assert set(r["unavailable"]) <= {"transformers_cb"} and all(r["unavailable"].values())
+    systems = {"tp", "cp", "dp", "dop", "auto", "transformers", "transformers_cb"} - set(r["unavailable"])
     assert set(r["tokens_per_s"]) == systems
+    if "transformers_cb" in systems:
+        assert r["ratio_auto_vs_transformers_cb"] == pytest.approx(r["tokens_per_s"]["auto"]
+                                                                   / r["tokens_per_s"]["transformers_cb"])
+    else:
+        assert r["ratio_auto_vs_transformers_cb"] is None and "transformers_cb" not in r["runs"]
     assert all(v > 0 for v in r["tokens_per_s"].values())
     best = max(r["tokens_per_s"][k] for k in ("tp", "cp", "dp", "dop"))
     assert r["ratio_auto_vs_best_fixed"] == pytest.approx(r["tokens_per_s"]["auto"] / best)
@@ -36,7 +43,7 @@ def test_rollout_drain_quick(tmp_path):
         run = r["runs"][name]
         assert run["samples"] == w["num_samples"] and run["tokens"] == w["response_tokens"]
         assert run["wall_s"] > 0
-    for name in systems - {"transformers"}:
+    for name in systems - {"transformers", "transformers_cb"}:
         run = r["runs"][name]
         assert run["steps"] >= max(w["response_lens"]) and run["switches"] >= 0
         assert sum(p["steps"] for p in run["phases"]) == run["steps"]
