@@ -114,7 +114,7 @@ def _source_rows(d: DictConfig, fresh_prompts: int) -> tuple[list[dict], list[di
             raise ValueError("data=file needs data.path (a .jsonl / .parquet file or a datasets folder)")
         rows = read_rows(d.path)
         if d.get("eval_path"):
-            return rows, read_rows(d.eval_path), d.path, d.eval_path
+            return rows, read_rows(d.eval_path), d.path, f"data.eval_path={d.eval_path}"
         train, evals = split_rows(rows, float(d.eval_fraction or 0.0), int(d.seed))
         return train, evals, d.path, f"{d.path} (held-out {d.eval_fraction})"
     raise ValueError(f"data.kind: expected arith_chain, file or reasoning_gym, got {kind!r}")
