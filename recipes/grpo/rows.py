@@ -77,9 +77,10 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     raise ValueError(f"data.path: {path!r}: expected a .jsonl, .json or .parquet file or a datasets folder")
 
 
-def check_rows(rows: Sequence[dict[str, Any]], keys: dict[str, str | None], source: str) -> None:
-    """Every row has every configured key (``{"data.prompt_key": "messages", ...}``; None: unused)."""
-    for i, row in enumerate(rows):
+def check_rows(rows: Sequence[tuple[int, dict[str, Any]]], keys: dict[str, str | None], source: str) -> None:
+    """Every (row number in its source, row) has every configured key (``{"data.prompt_key":
+    "messages", ...}``; None: unused)."""
+    for i, row in rows:
         for option, key in keys.items():
             if key is None:
                 continue
@@ -88,8 +89,9 @@ def check_rows(rows: Sequence[dict[str, Any]], keys: dict[str, str | None], sour
                 raise DataRowError(f"{source}: row {i} has no {key!r} ({option}); its keys: {have}")
 
 
-def split_rows(rows: list[dict[str, Any]], eval_fraction: float, seed: int) -> tuple[list, list]:
-    """(train, eval): a seeded ``eval_fraction`` of ``rows`` held out (at least one row when > 0)."""
+def split_rows(rows: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a seeded ``eval_fraction`` of ``rows`` held out (at least one row when > 0),
+    both in their original order."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction: expected in [0, 1), got {eval_fraction}")
     order = list(range(len(rows)))

@@ -71,10 +71,10 @@ def render_prompt(prompt: Any, tokenizer, chat_template: str) -> list[int]:
     return tokenizer.apply_chat_template(prompt)
 
 
-def _examples(rows: list[dict], source: str, split: str, d: DictConfig, tokenizer, max_prompt_len: int | None
-              ) -> tuple[list[Example], int]:
+def _examples(rows: list[tuple[int, dict]], source: str, split: str, d: DictConfig, tokenizer,
+              max_prompt_len: int | None) -> tuple[list[Example], int]:
     out, dropped = [], 0
-    for i, row in enumerate(rows):
+    for i, row in rows:
         try:
             ids = render_prompt(get_path(row, d.prompt_key), tokenizer, d.chat_template)
         except (DataRowError, ValueError) as e:
@@ -91,13 +91,18 @@ def _examples(rows: list[dict], source: str, split: str, d: DictConfig, tokenize
     return out, dropped
 
 
-def _source_rows(d: DictConfig, fresh_prompts: int) -> tuple[list[dict], list[dict], str, str]:
-    """(train rows, eval rows, train source name, eval source name) of ``data.kind``."""
+def _numbered(rows: list[dict]) -> list[tuple[int, dict]]:
+    return list(enumerate(rows))
+
+
+def _source_rows(d: DictConfig, fresh_prompts: int) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]], str, str]:
+    """(train rows, eval rows, train source name, eval source name) of ``data.kind``; each row
+    paired with its number in its source."""
     kind = d.kind
     if kind == "arith_chain":
         task = ChainTaskConfig(**OmegaConf.to_container(d.task, resolve=True))
-        train = list(make_dataset(d.get("grpo_pool_size") or fresh_prompts, d.grpo_seed, task))
-        evals = list(make_dataset(d.eval_size, d.eval_seed, task)) if d.get("eval_size") else []
+        train = _numbered(list(make_dataset(d.get("grpo_pool_size") or fresh_prompts, d.grpo_seed, task)))
+        evals = _numbered(list(make_dataset(d.eval_size, d.eval_seed, task))) if d.get("eval_size") else []
         return train, evals, "arith_chain", "arith_chain (eval)"
     if kind == "reasoning_gym":
         try:
@@ -106,15 +111,16 @@ def _source_rows(d: DictConfig, fresh_prompts: int) -> tuple[list[dict], list[di
             raise ImportError("data=reasoning_gym needs the reasoning-gym package: "
                               "pip install 'splash_rollout[reasoning-gym]'") from None
         extra = OmegaConf.to_container(d.task_config, resolve=True) if d.get("task_config") else {}
-        make = lambda size, seed: [dict(e) for e in reasoning_gym.create_dataset(d.task, size=size, seed=seed, **extra)]
+        make = lambda size, seed: _numbered([dict(e) for e in reasoning_gym.create_dataset(d.task, size=size,
+                                                                                             seed=seed, **extra)])
         return make(d.size, d.seed), (make(d.eval_size, d.seed + 1) if d.eval_size else []), \
             f"reasoning_gym:{d.task}", f"reasoning_gym:{d.task} (eval)"
     if kind == "file":
         if not d.get("path"):
             raise ValueError("data=file needs data.path (a .jsonl / .parquet file or a datasets folder)")
-        rows = read_rows(d.path)
+        rows = _numbered(read_rows(d.path))
         if d.get("eval_path"):
-            return rows, read_rows(d.eval_path), d.path, f"data.eval_path={d.eval_path}"
+            return rows, _numbered(read_rows(d.eval_path)), d.path, f"data.eval_path={d.eval_path}"
         train, evals = split_rows(rows, float(d.eval_fraction or 0.0), int(d.seed))
         return train, evals, d.path, f"{d.path} (held-out {d.eval_fraction})"
     raise ValueError(f"data.kind: expected arith_chain, file or reasoning_gym, got {kind!r}")
