@@ -113,3 +113,15 @@ def test_malformed_messages_in_a_file_name_the_row(tmp_path):
     rows[2] = {**rows[2], "messages": [{"role": "user", "text": "no content"}]}
     with pytest.raises(DataRowError, match=r"row 2, 'messages' \(data.prompt_key\).*messages\[0\]"):
         build_task_data(data_cfg(write_jsonl(tmp_path / "d.jsonl", rows), eval_fraction=0.0), TOK, None, False)
+
+
+def test_reasoning_gym_task_as_chat_prompts():
+    from splash_rollout.run import compose_config
+
+    cfg = compose_config(["+recipe=grpo_glm5", "data=reasoning_gym", "data.size=6", "data.eval_size=3", "reward=reasoning_gym"])
+    data = build_task_data(cfg.data, TOK, None, need_eval=True, sft_examples=4)
+    assert (len(data.train), len(data.eval)) == (6, 3) and data.sft == data.train
+    first = data.train[0]
+    assert TOK.decode(first.prompt_ids) == f"<|user|>\n{first.row['question']}\n<|assistant|>\n"
+    assert first.label == first.row["answer"] == first.target
+    assert first.row["metadata"]["source_dataset"] == "basic_arithmetic"
