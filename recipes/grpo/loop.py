@@ -109,6 +109,9 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
                            fresh_prompts=g.steps * g.prompts_per_step)
     reward_fn.probe(data.train[0])
     schedule = lr_schedule(cfg)
+    losses = loss_config(cfg)
+    if losses.kl_coef > 0 and g.get("ref_path") and not os.path.exists(g.ref_path):
+        raise FileNotFoundError(f"grpo.ref_path: {g.ref_path!r} does not exist")
     policy = build_policy(cfg)
     fingerprint = ckpt.model_fingerprint(model_source(cfg), policy)
     restored = None
@@ -141,7 +144,6 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
         trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
 
-    losses = loss_config(cfg)
     ref_model, own_reference = None, False
     if losses.kl_coef > 0:
         if g.get("ref_path"):

@@ -94,3 +94,20 @@ def test_pass_at_k():
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - (3 * 2) / (4 * 3))  # 1 - C(3,2)/C(4,2)
     assert pass_at_k(5, 2, 4) == 1.0  # fewer wrong samples than k
+
+
+def test_separate_reference_checkpoint(tmp_path):
+    from recipes.grpo.build import load_reference
+    from splash_rollout.models.config import PRESETS
+    from splash_rollout.models.model import MLAForCausalLM
+
+    policy = MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0)
+    other = MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=1)
+    torch.save(other.state_dict(), tmp_path / "ref.pt")
+    ref = load_reference(str(tmp_path / "ref.pt"), policy, "float32")
+    assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+    for name, t in ref.state_dict().items():
+        assert torch.equal(t, other.state_dict()[name])
+    assert any(p.requires_grad for p in policy.parameters())  # the policy itself is untouched
+    with pytest.raises(FileNotFoundError, match="grpo.ref_path"):
+        load_reference(str(tmp_path / "missing.pt"), policy, "float32")

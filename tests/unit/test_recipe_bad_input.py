@@ -85,3 +85,10 @@ def test_checkpoint_from_another_model(task):
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         from recipes.grpo.checkpoint import latest_checkpoint
         latest_checkpoint(str(task))
+
+
+def test_bad_loss_option_and_missing_reference(task):
+    info = run(task, "grpo.loss_agg=mean")
+    assert info.type is ValueError and "grpo.loss_agg" in str(info.value)
+    info = run(task, "grpo.kl_coef=0.1", f"grpo.ref_path={task / 'nope.pt'}")
+    assert info.type is FileNotFoundError and "grpo.ref_path" in str(info.value)
