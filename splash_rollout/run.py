@@ -3,7 +3,8 @@
 Composes ``conf/`` (groups: recipe, model, engine, trainer, data, logger, hardware) and runs the
 recipe on ``engine.world_size`` ranks. Under torchrun the launcher's ranks are used as they are;
 from a plain process this spawns the ranks itself (gloo on CPU, MASTER_ADDR/PORT set here). Every
-rank runs the same loop; only rank 0 writes into the run directory (``hydra.run.dir``).
+rank runs the same loop; only rank 0 writes into the run directory (``hydra.run.dir``, or the
+directory given by ``resume=<run dir>``, which the resumed run continues to write into).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def launch(cfg: DictConfig, run_dir: str):
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    run_dir = HydraConfig.get().runtime.output_dir
+    run_dir = cfg.get("resume") or HydraConfig.get().runtime.output_dir
     if int(os.environ.get("RANK", "0")) == 0:
         print(OmegaConf.to_yaml(cfg))
     launch(cfg, run_dir)

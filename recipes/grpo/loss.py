@@ -6,8 +6,21 @@
     loss    = sum_t mask_t L_ijt / normalizer                        token-level mean by default
 
 std is the population std of the group (``unbiased=False``); a group whose rewards are all equal
-gets zero advantages (no signal, no noise). KL is the k3 estimator against a frozen reference,
-``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased for KL(pi || ref)).
+gets zero advantages (no signal, no noise).
+
+Aggregation (``loss_agg``), with w_i a per-sample weight and the normalizer over the whole
+optimizer step (all micro-batches and ranks):
+
+* ``token_mean``: w_i = 1, normalizer = response tokens of the step (every token counts the same);
+* ``seq_mean``: w_i = 1 / |y_i|, normalizer = samples of the step (every sample counts the same);
+* ``drgrpo``: w_i = 1, normalizer = samples x max_new_tokens (Dr. GRPO: a constant, so length does
+  not rescale a sample's gradient; pair it with ``normalize_std=False``).
+
+KL against a frozen reference, per token with delta = log pi - log pi_ref (``kl_estimator``):
+k1 = delta, k2 = delta^2 / 2, k3 = exp(-delta) + delta - 1 (>= 0, unbiased for KL(pi || ref)).
+``kl_coef * kl`` is added to the per-token loss here; as a reward penalty instead it is summed over
+the response and taken off the sample's reward before advantages (``kl_penalty``). The entropy
+bonus subtracts ``entropy_coef * H(pi(.|y_<t))`` per token.
 """
 from __future__ import annotations
 
@@ -29,6 +42,50 @@ class GRPOLossConfig:
     adv_eps: float = 1e-6
     normalize_std: bool = True
     """False: advantages are only mean-centred (Dr. GRPO)."""
+    loss_agg: str = "token_mean"
+    """token_mean | seq_mean | drgrpo (see the module docstring)."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3."""
+    entropy_coef: float = 0.0
+    """> 0 adds an entropy bonus (the trainer then computes the full-vocabulary entropy)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"grpo.loss_agg: expected one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"grpo.kl_estimator: expected one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"grpo.kl_coef / grpo.entropy_coef: expected >= 0, got {self.kl_coef}, {self.entropy_coef}")
+
+
+LOSS_AGGS = ("token_mean", "seq_mean", "drgrpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """[B, T] KL estimate per token of pi (``logprobs``) against the reference."""
+    delta = logprobs - ref_logprobs
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta * delta
+    return torch.exp(-delta) + delta - 1.0
+
+
+def step_normalizer(lengths: list[int], loss_agg: str, max_new_tokens: int, world_size: int) -> float:
+    """What the weighted token sum of one optimizer step is divided by, per rank (gradients are
+    averaged over ranks, so the global normalizer is divided by ``world_size``)."""
+    if loss_agg == "token_mean":
+        total = float(sum(lengths))
+    elif loss_agg == "seq_mean":
+        total = float(len(lengths))
+    else:
+        total = float(len(lengths) * max_new_tokens)
+    return max(total, 1.0) / world_size
+
+
+def sample_weight(length: int, loss_agg: str) -> float:
+    return 1.0 / max(length, 1) if loss_agg == "seq_mean" else 1.0
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, normalize_std: bool = True) -> torch.Tensor:
@@ -43,23 +100,34 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, normalize_std: bo
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """logits [B, T, vocab], targets [B, T] int64 -> log p(target) [B, T] under
     log_softmax(logits / temperature): the engine's convention, so fresh ratios are exactly 1."""
+    return token_logprobs_and_entropy(logits, targets, temperature, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                               entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(target) [B, T] float32, entropy of the whole distribution [B, T] float32 or None)."""
     logits = logits.to(torch.float32)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logprobs = torch.log_softmax(logits.to(acc_dtype()), dim=-1)  # float64 under reproducible numerics
-    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
+    picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
+    if not entropy:
+        return picked, None
+    return picked, -(logprobs.exp() * logprobs).sum(-1).float()
 
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
               loss_mask: torch.Tensor, config: GRPOLossConfig = GRPOLossConfig(),
               ref_logprobs: torch.Tensor | None = None,
-              normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """logprobs, old_logprobs, loss_mask [B, T]; advantages [B]; ref_logprobs [B, T] or None.
+              normalizer: float | None = None, weights: torch.Tensor | None = None,
+              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """logprobs, old_logprobs, loss_mask [B, T]; advantages [B]; ref_logprobs [B, T] or None;
+    weights [B] per-sample weights (``sample_weight``; default 1); entropy [B, T] or None.
 
-    ``normalizer``: what the masked token sum is divided by (default: this batch's mask sum). Pass
-    the token count of the whole optimizer step (over micro-batches and ranks) to make the loss a
-    token mean of the global batch. Returns (loss, stats); stats are detached token means over the
-    mask: ``clip_frac`` (tokens where the clipped branch was taken), ``ratio``, ``kl``.
+    ``normalizer``: what the weighted masked token sum is divided by (default: this batch's mask
+    sum); ``step_normalizer`` gives the whole optimizer step's (over micro-batches and ranks) for
+    ``config.loss_agg``. Returns (loss, stats); stats are detached token means over the mask:
+    ``clip_frac`` (tokens where the clipped branch was taken), ``ratio``, ``kl``, ``entropy``.
     """
     mask = loss_mask.to(logprobs.dtype)
     tokens = mask.sum().clamp(min=1.0)
@@ -73,9 +141,14 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     stats = {"clip_frac": (((clipped > unclipped).to(mask.dtype) * mask).sum() / tokens).detach(),
              "ratio": ((ratio * mask).sum() / tokens).detach()}
     if ref_logprobs is not None and config.kl_coef > 0:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1.0
+        kl = kl_per_token(logprobs, ref_logprobs.to(logprobs.dtype), config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
         stats["kl"] = ((kl * mask).sum() / tokens).detach()
+    if entropy is not None:
+        if config.entropy_coef > 0:
+            per_token = per_token - config.entropy_coef * entropy
+        stats["entropy"] = ((entropy * mask).sum() / tokens).detach()
+    if weights is not None:
+        mask = mask * weights.to(mask.dtype).unsqueeze(-1)
     loss = (per_token * mask).sum() / normalizer
     return loss, stats

@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
-import datasets
 import torch
 
+from recipes.grpo.task_data import Example
 from recipes.grpo.trainer import Trainer, TrainBatch, collate
 
 
@@ -41,17 +41,19 @@ def nll_loss(normalizer: float) -> Callable[[torch.Tensor, TrainBatch], tuple[to
     return loss_fn
 
 
-def run_sft(trainer: Trainer, tokenizer, dataset: datasets.Dataset, config: SFTConfig, micro_batch_size: int,
+def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SFTConfig, micro_batch_size: int,
             log: Callable[[dict[str, float], int], None] | None = None) -> dict[str, float]:
-    """Train on ``prompt -> solution<eos>``; returns the last logged loss and the time taken."""
+    """Train on ``prompt ids -> target<eos>`` (``Example.prompt_ids`` as the engine will see them,
+    so a chat template's ids are what SFT teaches), cycling through ``examples``; returns the last
+    logged loss and the time taken."""
     eos = tokenizer.eos_token_ids[0]
     rank, world = trainer.rank, trainer.world_size
     t0, last = time.perf_counter(), {}
     for step in range(config.steps):
-        start = (step * config.batch_size) % len(dataset)
-        rows = dataset[start:start + config.batch_size]
-        prompts = [tokenizer.encode(p) for p in rows["prompt"]]
-        responses = [tokenizer.encode(s) + [eos] for s in rows["solution"]]
+        start = (step * config.batch_size) % len(examples)
+        rows = [examples[(start + i) % len(examples)] for i in range(config.batch_size)]
+        prompts = [ex.prompt_ids for ex in rows]
+        responses = [tokenizer.encode(ex.target) + [eos] for ex in rows]
         # token mean over the whole batch (all ranks); gradients are averaged over ranks, hence * world
         normalizer = sum(len(r) for r in responses) / world
         mine = list(range(rank, len(prompts), world))

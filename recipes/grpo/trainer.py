@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from recipes.grpo.loss import token_logprobs
+from recipes.grpo.loss import token_logprobs_and_entropy
 from splash_rollout.distributed.groups import average_gradients, ensure_default_group
 
 
@@ -108,8 +108,9 @@ def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
     return TrainBatch(ids, att, mask, extras)
 
 
-LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""(token logprobs [B, S-1] of the current model, batch) -> (loss, stats)."""
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(token logprobs [B, S-1] of the current model, batch) -> (loss, stats); with
+``optimizer_step(..., entropy=True)`` also the keyword ``entropy`` ([B, S-1] float32)."""
 
 
 class Trainer:
@@ -162,13 +163,30 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _forward_logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+    def optimizer_state(self) -> dict[str, Any]:
+        """This rank's optimizer state (ZeRO: its partition, with the fp32 master weights)."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, states: Sequence[dict[str, Any]]) -> None:
+        """Restore ``optimizer_state()`` as saved by every rank (list indexed by rank). Load the
+        policy weights into the module before building the Trainer; ZeRO's fp32 master copy is
+        restored from the state itself."""
+        if len(states) != self.world_size:
+            raise ValueError(f"optimizer state: saved by {len(states)} ranks, this run has {self.world_size}")
+        if self.engine is not None:
+            self.optimizer.load_state_dict(list(states), load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            self.optimizer.load_state_dict(states[self.rank])
+
+    def _forward_logprobs(self, batch: TrainBatch, temperature: float | None = None,
+                          entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         module = self.engine if self.engine is not None else self.model
         anchor = self._grad_order_anchor() if torch.is_grad_enabled() else None
         logits = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
         temperature = self.temperature if temperature is None else temperature
-        logprobs = token_logprobs(logits[:, :-1], batch.targets.to(self.device), temperature)
-        return logprobs if anchor is None else logprobs + anchor
+        logprobs, ent = token_logprobs_and_entropy(logits[:, :-1], batch.targets.to(self.device), temperature,
+                                                   entropy=entropy)
+        return (logprobs if anchor is None else logprobs + anchor), ent
 
     def _grad_order_anchor(self) -> torch.Tensor | None:
         """A zero that depends on every parameter, built *before* the forward.
@@ -188,12 +206,13 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S-1] token logprobs of the current weights (no grad), same temperature as the engine."""
-        return self._forward_logprobs(batch)
+        return self._forward_logprobs(batch)[0]
 
     def optimizer_step(self, micro_batches: Sequence[TrainBatch], loss_fn: LossFn,
-                       temperature: float | None = None) -> dict[str, float]:
+                       temperature: float | None = None, entropy: bool = False) -> dict[str, float]:
         """Accumulate gradients over ``micro_batches`` (this rank's share), then one optimizer step.
         ``temperature``: of the logprobs handed to ``loss_fn`` (default: the rollout's; SFT uses 1).
+        ``entropy``: also hand ``loss_fn`` the per-token entropy (keyword ``entropy``).
         Returns summed loss, grad norm and the mean of ``loss_fn``'s stats over micro-batches
         (``*_max`` stats: the max)."""
         totals: dict[str, float] = {}
@@ -203,7 +222,8 @@ class Trainer:
             if self.engine is not None:
                 self.engine.set_gradient_accumulation_boundary(last)
             mb = mb.to(self.device)
-            loss, stats = loss_fn(self._forward_logprobs(mb, temperature), mb)
+            logprobs, ent = self._forward_logprobs(mb, temperature, entropy)
+            loss, stats = loss_fn(logprobs, mb, entropy=ent) if entropy else loss_fn(logprobs, mb)
             if self.engine is not None:
                 self.engine.backward(loss)
             else:

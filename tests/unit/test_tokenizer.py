@@ -53,3 +53,29 @@ def test_checkpoint_folder_tokenizer(tmp_path):
 def test_missing_tokenizer_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+HF_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+               "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_checkpoint_folder_chat_template_renders_through_transformers(tmp_path):
+    shutil.copy(NANO_TOKENIZER, tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "bos_token": "<s>", "pad_token": "<pad>", "chat_template": HF_TEMPLATE}))
+    tok = load_tokenizer(tmp_path)
+    msgs = [{"role": "user", "content": "3+1=?"}]
+    assert tok.has_chat_template
+    assert tok.apply_chat_template(msgs) == tok.encode("[user] 3+1=?\n[assistant] ")
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == tok.encode("[user] 3+1=?\n")
+
+
+def test_no_chat_template_is_a_clear_error(tmp_path):
+    from splash_rollout.models.tokenizer import ChatTemplateError
+
+    shutil.copy(NANO_TOKENIZER, tmp_path / "tokenizer.json")
+    tok = load_tokenizer(tmp_path)
+    assert not tok.has_chat_template
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    assert load_tokenizer("glm5-nano").has_chat_template

@@ -1,0 +1,121 @@
+"""Hydra config -> the library's objects: policy, reference, engine and the frozen configs of the run.
+
+The edge where ``cfg`` (composed from ``conf/``) stops: everything past here takes dataclasses.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.grpo.evaluation import EvalConfig
+from recipes.grpo.loss import GRPOLossConfig
+from recipes.grpo.schedule import LRSchedule
+from recipes.grpo.sft import SFTConfig
+from recipes.grpo.trainer import TrainerConfig
+from splash_rollout.models.config import PRESETS, resolve_model
+from splash_rollout.models.model import MLAForCausalLM
+from splash_rollout.rollout.config import EngineConfig
+from splash_rollout.rollout.engine import RolloutEngine
+
+OVERLONG = ("keep", "mask", "penalty")
+KL_PLACES = ("loss", "reward")
+
+
+def model_source(cfg: DictConfig) -> str:
+    return cfg.model.path or cfg.model.name
+
+
+def build_policy(cfg: DictConfig) -> MLAForCausalLM:
+    dtype = getattr(torch, cfg.model.dtype)
+    source = model_source(cfg)
+    if source in PRESETS:
+        model = MLAForCausalLM.from_config(resolve_model(source), seed=cfg.seed, dtype=dtype)
+    else:
+        model = MLAForCausalLM.from_pretrained(source, dtype=dtype)
+    return model.to(cfg.hardware.device)
+
+
+def load_reference(path: str, like: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """A frozen reference policy from ``grpo.ref_path``: a saved state dict (``.pt``, e.g. an
+    earlier run's sft_policy.pt) or an HF checkpoint folder of the same architecture."""
+    if os.path.isdir(path):
+        ref = MLAForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    elif os.path.isfile(path):
+        import copy
+
+        ref = copy.deepcopy(like)
+        ref.load_state_dict(torch.load(path, map_location="cpu"), strict=True)
+    else:
+        raise FileNotFoundError(f"grpo.ref_path: {path!r} is neither a state-dict file nor a checkpoint folder")
+    return ref.to(next(like.parameters()).device).eval().requires_grad_(False)
+
+
+def build_engine(cfg: DictConfig) -> RolloutEngine:
+    e = cfg.engine
+    kwargs = dict(model=model_source(cfg), world_size=e.world_size, dtype=cfg.model.dtype, seed=cfg.seed,
+                  page_size=e.page_size, max_num_batched_tokens=e.max_num_batched_tokens,
+                  max_num_seqs=e.max_num_seqs, memory_budget_gib=e.memory_budget_gib,
+                  max_model_len=e.max_model_len, device=cfg.hardware.device,
+                  attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
+                  numerics=e.get("numerics", "fast"))
+    if e.layout is not None:
+        kwargs["layout"] = e.layout
+    return RolloutEngine(EngineConfig(**kwargs))
+
+
+def build_engine_with_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], version: int = 0) -> RolloutEngine:
+    """The engine over this run's ranks, holding ``weights`` as ``version``."""
+    engine = build_engine(cfg)
+    engine.update_weights(weights, version=version)
+    return engine
+
+
+def max_prompt_len(cfg: DictConfig) -> int:
+    """``data.max_prompt_len``, or what leaves room for ``grpo.max_new_tokens`` in the context."""
+    if cfg.data.get("max_prompt_len"):
+        return int(cfg.data.max_prompt_len)
+    context = resolve_model(model_source(cfg)).max_position_embeddings
+    if cfg.engine.max_model_len:
+        context = min(context, int(cfg.engine.max_model_len))
+    return context - int(max(cfg.grpo.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.every else 0))
+
+
+def trainer_config(cfg: DictConfig) -> TrainerConfig:
+    t = cfg.trainer
+    return TrainerConfig(backend=t.backend, zero_stage=t.zero_stage, lr=t.lr, weight_decay=t.weight_decay,
+                         betas=tuple(t.betas), grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
+                         dist_backend=t.dist_backend)
+
+
+def sft_config(cfg: DictConfig) -> SFTConfig:
+    s = cfg.sft
+    return SFTConfig(steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
+                     min_lr_ratio=s.min_lr_ratio, log_every=s.log_every)
+
+
+def loss_config(cfg: DictConfig) -> GRPOLossConfig:
+    g = cfg.grpo
+    if g.get("kl_in", "loss") not in KL_PLACES:
+        raise ValueError(f"grpo.kl_in: expected one of {KL_PLACES}, got {g.kl_in!r}")
+    if g.get("overlong", "keep") not in OVERLONG:
+        raise ValueError(f"grpo.overlong: expected one of {OVERLONG}, got {g.overlong!r}")
+    return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef,
+                          normalize_std=g.normalize_std, loss_agg=g.get("loss_agg", "token_mean"),
+                          kl_estimator=g.get("kl_estimator", "k3"), entropy_coef=g.get("entropy_coef", 0.0))
+
+
+def lr_schedule(cfg: DictConfig) -> LRSchedule:
+    g = cfg.grpo
+    return LRSchedule(lr=float(cfg.trainer.lr), kind=g.get("lr_schedule", "constant"),
+                      warmup_steps=int(g.warmup_steps), total_steps=int(g.steps),
+                      min_lr_ratio=float(g.get("min_lr_ratio", 0.0)))
+
+
+def eval_config(cfg: DictConfig) -> EvalConfig:
+    e = cfg.eval
+    k = OmegaConf.to_container(e.k, resolve=True) if OmegaConf.is_list(e.k) else [e.k]
+    return EvalConfig(every=int(e.every), max_prompts=e.max_prompts, max_new_tokens=int(e.max_new_tokens),
+                      n=int(e.n), k=tuple(int(x) for x in k), temperature=float(e.temperature),
+                      seed=int(cfg.seed) * 7_919 + 17)
