@@ -243,10 +243,21 @@ class PaddedChunk:
     """[C, Q] int64: each padded query's row in the flat [N] arrays (0 where padding)."""
     q_valid: torch.Tensor
     """[C, Q] bool: real rows."""
-    key_slots: torch.Tensor
-    """[C, S] int64: pool slot of every history position (0 where not stored here)."""
+    key_pages: torch.Tensor
+    """[C, P] int64: the physical page of every logical page (0 where not stored here), P*page >= S."""
     key_stored: torch.Tensor
     """[C, S] bool: position stored on this rank and inside the request."""
+
+    def gather(self, cache: torch.Tensor, zero_hidden: bool = True) -> torch.Tensor:
+        """Every history position's row of one layer's paged cache ``(num_pages, page_size, W)``,
+        gathered a page at a time: [C, S, W]. With ``zero_hidden`` the rows of positions not stored
+        here (other ranks' pages, past the request, padding) are exact zeros; without, they hold
+        whatever the page they point at holds and the caller must mask what it computes from them."""
+        c, s = self.key_stored.shape
+        rows = cache[self.key_pages].view(c, -1, cache.shape[-1])[:, :s]  # [C, S, W]
+        if zero_hidden:
+            rows = rows.masked_fill(~self.key_stored[..., None], 0)
+        return rows
 
     @property
     def rows(self) -> torch.Tensor:
@@ -255,7 +266,7 @@ class PaddedChunk:
 
     def visible(self, positions: torch.Tensor) -> torch.Tensor:
         """Bool [C, Q, S]: causal and stored keys of real rows (positions: the batch's [N])."""
-        s = self.key_slots.shape[1]
+        s = self.key_stored.shape[1]
         q_pos = positions[self.q_rows]  # [C, Q]
         causal = torch.arange(s, device=q_pos.device)[None, None, :] <= q_pos[..., None]
         return causal & self.key_stored[:, None, :] & self.q_valid[..., None]
@@ -269,8 +280,9 @@ class PaddedChunk:
         j = torch.arange(q_len, device=device)
         valid = j[None, :] < counts[:, None]
         rows = torch.where(valid, first[:, None] + j[None, :], torch.zeros_like(first)[:, None])
-        slots, stored = batch.key_slots()
-        return cls(idx, rows, valid, slots[idx, :keys], stored[idx, :keys])
+        _, stored = batch.key_slots()
+        pages = batch.block_table[idx, : -(-keys // batch.page_size)].clamp(min=0)
+        return cls(idx, rows, valid, pages, stored[idx, :keys])
 
 
 _current: list[ForwardBatch] = []

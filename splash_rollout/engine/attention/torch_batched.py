@@ -34,14 +34,15 @@ class TorchBackend(AttentionBackend):
                 partial: bool = False):
         n, h, r = q_nope_abs.shape
         acc = acc_dtype(q_nope_abs.dtype)
-        rows = pool.kv[layer].view(-1, pool.kv[layer].shape[-1])  # [slots, r + rope]
+        cache = pool.kv[layer]  # [num_pages, page_size, r + rope]
+        rows = cache.view(-1, cache.shape[-1])  # [slots, r + rope]
         out = q_nope_abs.new_zeros((n, h, r), dtype=acc)
         lse = q_nope_abs.new_full((n, h), float("-inf"), dtype=acc)
         if n:
             if selected is not None:
                 self._selected(q_nope_abs, q_pe, rows, batch, selected, scale, out, lse)
             else:
-                self._dense(q_nope_abs, q_pe, rows, batch, scale, out, lse)
+                self._dense(q_nope_abs, q_pe, cache, batch, scale, out, lse)
         if partial:
             return out, lse
         return out.to(q_nope_abs.dtype), lse.float()
@@ -61,12 +62,11 @@ class TorchBackend(AttentionBackend):
         lse.copy_(l)
 
     # ---- dense causal: requests padded to [C, Q, S] ---------------------------------------------
-    def _dense(self, q, q_pe, rows, batch, scale, out, lse) -> None:
+    def _dense(self, q, q_pe, cache, batch, scale, out, lse) -> None:
         r = q.shape[-1]
-        per_key = q.shape[1] + rows.shape[-1]  # logits per head and the gathered key row
+        per_key = q.shape[1] + cache.shape[-1]  # logits per head and the gathered key row
         for chunk in batch.padded_chunks(per_key, self.chunk_elements):
-            keys = rows[chunk.key_slots]  # [C, S, r + rope]
-            keys = torch.where(chunk.key_stored[..., None], keys, torch.zeros_like(keys))
+            keys = chunk.gather(cache)  # [C, S, r + rope], hidden positions zero
             visible = chunk.visible(batch.positions)[:, :, None, :]  # [C, Q, 1, S]
             o, l = softmax_attention(q[chunk.q_rows], q_pe[chunk.q_rows], keys[..., :r], keys[..., r:], visible,
                                      scale, "bqhr,bsr->bqhs")  # [C, Q, H, r], [C, Q, H]

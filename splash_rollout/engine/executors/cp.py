@@ -53,7 +53,7 @@ class CPExecutor(AttentionExecutor):
         t, rank, ps = s.view.world_size, s.view.rank, batch.page_size
         index_q, index_w = indexer.index_q(x, q_a, batch.positions)  # [N, Hi, D], [N, Hi]
         s.pool.write_index_k(layer, batch.out_slots, indexer.index_k(x, batch.positions))
-        local = index_scores(s.pool, layer, index_q, index_w, batch)  # [N, S], 0 off this rank
+        local = index_scores(s.pool, layer, index_q, index_w, batch)  # [N, S]: valid on this rank's pages
         n, width = local.shape
         blocks = -(-width // (t * ps))  # page rounds of T pages
         padded = local.new_zeros((n, blocks * t * ps))

@@ -35,15 +35,14 @@ def shared_selection(attn, batch: ForwardBatch) -> torch.Tensor | None:
 def index_scores(pool: KVPool, layer: int, index_q: torch.Tensor, index_w: torch.Tensor,
                  batch: ForwardBatch) -> torch.Tensor:
     """Indexer scores of every row against the positions this rank stores: [N, S] float32
-    (S = ``batch.max_seq_len``; 0 where a position is not stored here). index_q: [N, Hi, D];
+    (S = ``batch.max_seq_len``). Columns of positions not stored here hold arbitrary values (even
+    NaN from an unused page): every caller masks them (causal / stored) before use. index_q: [N, Hi, D];
     index_w: [N, Hi]. Requests are padded and chunked like dense attention (no loop over requests)."""
-    cache = pool.index_k[layer]
-    keys_flat = cache.view(-1, cache.shape[-1])  # [slots, D]
+    cache = pool.index_k[layer]  # [num_pages, page_size, D]
     scores = torch.zeros(batch.num_tokens, batch.max_seq_len, dtype=torch.float32, device=index_q.device)
-    per_key = index_q.shape[1] + keys_flat.shape[-1]
+    per_key = index_q.shape[1] + cache.shape[-1]
     for chunk in batch.padded_chunks(per_key, INDEX_CHUNK_ELEMENTS):
-        keys = keys_flat[chunk.key_slots]  # [C, S, D]
-        keys = torch.where(chunk.key_stored[..., None], keys, torch.zeros_like(keys))
+        keys = chunk.gather(cache, zero_hidden=False)  # [C, S, D]; hidden columns are masked below
         part = indexer_scores(index_q[chunk.q_rows], index_w[chunk.q_rows], keys.to(index_q.dtype))  # [C, Q, S]
         scores[chunk.rows, : part.shape[-1]] = part[chunk.q_valid]
     return scores
