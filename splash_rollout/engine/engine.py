@@ -16,7 +16,7 @@ from splash_rollout.engine.model_runner import ModelRunner
 from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.projections import slice_projections
 from splash_rollout.engine.request import Request
-from splash_rollout.engine.sampler import sample
+from splash_rollout.engine.sampler import SamplingBatch, sample
 from splash_rollout.engine.scheduler import Scheduler, ScheduledSeq
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
 from splash_rollout.layout.layouts import Layout
@@ -68,7 +68,8 @@ class Engine:
         logits = self.runner.forward(batch)  # [R, V]
         samplers = [s.request for s in scheduled if s.samples]
         self.num_steps += 1
-        return sample(logits, [r.spec for r in samplers], [r.generator for r in samplers])
+        return sample(logits, SamplingBatch.make([r.spec for r in samplers], [r.num_output_tokens for r in samplers],
+                                                 logits.device))
 
     def run_until_done(self) -> list[Request]:
         finished: list[Request] = []

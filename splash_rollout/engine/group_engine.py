@@ -34,7 +34,7 @@ from splash_rollout.engine.parallel_mlp import shard_feed_forward
 from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.projections import ProjectionShard, drop_full_projections, slice_projections
 from splash_rollout.engine.request import Request
-from splash_rollout.engine.sampler import sample
+from splash_rollout.engine.sampler import SamplingBatch, sample
 from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
 from splash_rollout.layout.bytes import AttentionBytes
@@ -288,7 +288,8 @@ class GroupEngine:
                 logits = self.run(plan)
                 mid_step = False
                 samplers = [s.request for s in scheduled if s.samples]
-                tokens, logprobs = sample(logits, [r.spec for r in samplers], [r.generator for r in samplers])
+                tokens, logprobs = sample(logits, SamplingBatch.make(
+                    [r.spec for r in samplers], [r.num_output_tokens for r in samplers], logits.device))
                 ended = self.scheduler.postprocess(scheduled, tokens, logprobs)
                 for r in ended:
                     if r.finish_reason in ("stop", "length"):
