@@ -60,6 +60,13 @@ class SamplingBatch:
     """[R] bool, temperature 0: argmax, no draw."""
     sort_rows: torch.Tensor
     """[S] int64, the sampled rows with top-k or top-p on (only they need a sorted distribution)."""
+    sort_width: int | None
+    """Sorted prefix the ``sort_rows`` need: the largest top-k when every one of them has top-k on
+    (top-p then only looks inside it), None when some row needs its whole distribution sorted."""
+    truncates: bool
+    """Whether any sampled row truncates at all (host-side: a plain batch skips the work)."""
+    any_greedy: bool
+    any_sampled: bool
 
     @classmethod
     def make(cls, specs: Sequence[SamplingSpec], draw_index: Sequence[int],
@@ -69,6 +76,8 @@ class SamplingBatch:
             raise ValueError(f"draw_index: expected one per spec ({len(specs)}), got {len(draw_index)}")
         greedy = [s.greedy for s in specs]
         sort_rows = [i for i, s in enumerate(specs) if not s.greedy and (s.top_k > 0 or s.top_p < 1.0)]
+        widths = [min(int(specs[i].top_k), _TOP_K_CAP) for i in sort_rows]
+        sampled = [not g for g in greedy]
         return cls(
             temperature=torch.tensor([1.0 if g else float(s.temperature) for s, g in zip(specs, greedy)],
                                      dtype=torch.float32, device=device),
@@ -78,7 +87,10 @@ class SamplingBatch:
             seed=torch.tensor([to_int64(int(s.seed)) for s in specs], dtype=torch.int64, device=device),
             draw_index=torch.tensor([int(k) for k in draw_index], dtype=torch.int64, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            sort_rows=torch.tensor(sort_rows, dtype=torch.int64, device=device))
+            sort_rows=torch.tensor(sort_rows, dtype=torch.int64, device=device),
+            sort_width=max(widths) if widths and min(widths) > 0 else None,
+            truncates=bool(sort_rows) or any(s.min_p > 0 for s, g in zip(specs, sampled) if g),
+            any_greedy=any(greedy), any_sampled=any(sampled))
 
     @property
     def num_rows(self) -> int:
@@ -95,7 +107,12 @@ def truncation_threshold(probs: torch.Tensor, params: SamplingBatch) -> torch.Te
     if rows.numel():
         sub = probs.index_select(0, rows)  # [S, V]
         vocab = sub.shape[-1]
-        sorted_p = torch.sort(sub, dim=-1, descending=True, stable=True).values  # [S, V]
+        width = params.sort_width
+        if width is not None and width < vocab:  # the top `width` values, sorted: all top-p looks at
+            sorted_p = torch.topk(sub, width, dim=-1, sorted=True).values  # [S, width]
+        else:
+            sorted_p = torch.sort(sub, dim=-1, descending=True).values  # [S, V]; values only: ties are equal
+        vocab = sorted_p.shape[-1]
         k = params.top_k.index_select(0, rows)
         k = torch.where((k > 0) & (k < vocab), k, torch.full_like(k, vocab))
         kth = sorted_p.gather(1, (k - 1)[:, None])  # [S, 1]
@@ -114,15 +131,17 @@ def truncation_threshold(probs: torch.Tensor, params: SamplingBatch) -> torch.Te
 
 def truncate(probs: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """probs: [R, V] -> [R, V] unnormalised truncated probabilities (0 where cut)."""
+    if not params.truncates:
+        return probs
     threshold = truncation_threshold(probs, params)
     return torch.where(probs >= threshold[:, None], probs, torch.zeros_like(probs))
 
 
 def usable_rows(scaled: torch.Tensor) -> torch.Tensor:
     """scaled: [R, V] tempered logits -> [R] bool: no NaN, no +inf, and at least one finite value
-    (-inf is a mask: probability 0)."""
-    bad = torch.isnan(scaled) | torch.isposinf(scaled)
-    return ~bad.any(dim=-1) & torch.isfinite(scaled).any(dim=-1)
+    (-inf is a mask: probability 0). One reduction: a row's max is NaN if it holds a NaN, +inf if it
+    holds +inf, -inf if nothing is finite."""
+    return torch.isfinite(scaled.amax(dim=-1))
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,19 +149,25 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     ``usable_rows`` refuses get ``NO_TOKEN`` and a NaN logprob."""
     logits = logits.float()
     scaled = (logits / params.temperature[:, None]).to(acc_dtype())  # [R, V]; float64 under reproducible
-    finite = usable_rows(scaled)  # [R]
-    scaled = torch.where(finite[:, None], scaled, torch.zeros_like(scaled))  # refused rows: no NaN downstream
+    usable = usable_rows(scaled)  # [R]
+    all_usable = bool(usable.all())  # one sync; the tokens go to the host right after anyway
+    if not all_usable:
+        scaled = scaled.masked_fill(~usable[:, None], 0.0)  # refused rows: no NaN downstream
     logprobs_all = torch.log_softmax(scaled, dim=-1)  # [R, V] acc dtype
-    probs = truncate(logprobs_all.exp(), params)  # [R, V]
-    cdf = torch.cumsum(probs, dim=-1)  # [R, V], non-decreasing
-    u = (uniform(params.seed, params.draw_index) * cdf[:, -1].double()).to(cdf.dtype)  # [R] in [0, mass)
-    drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)  # first token whose cdf exceeds u
-    vocab = logits.shape[-1]
-    positions = torch.arange(vocab, device=logits.device)
-    last_kept = torch.where(probs > 0, positions, torch.zeros_like(positions)).max(dim=-1).values
-    drawn = torch.minimum(drawn, last_kept)  # u rounded up onto the total mass: the last kept token
-    tokens = torch.where(params.greedy, torch.argmax(scaled, dim=-1), drawn)
+    if params.any_sampled:
+        probs = truncate(logprobs_all.exp(), params)  # [R, V]
+        cdf = torch.cumsum(probs, dim=-1)  # [R, V], non-decreasing
+        mass = cdf[:, -1:]  # [R, 1]
+        u = (uniform(params.seed, params.draw_index)[:, None] * mass.double()).to(cdf.dtype)  # [R, 1] in [0, mass)
+        drawn = torch.searchsorted(cdf, u, right=True)  # first token whose cdf exceeds u (its probability > 0)
+        last_kept = torch.searchsorted(cdf, mass.contiguous(), right=False)  # first token where the cdf reaches the mass
+        tokens = torch.minimum(drawn, last_kept).squeeze(1)  # u rounded up onto the mass: the last kept token
+        if params.any_greedy:
+            tokens = torch.where(params.greedy, torch.argmax(scaled, dim=-1), tokens)
+    else:
+        tokens = torch.argmax(scaled, dim=-1)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1).float()
-    tokens = torch.where(finite, tokens, torch.full_like(tokens, NO_TOKEN))
-    logprobs = torch.where(finite, logprobs, torch.full_like(logprobs, float("nan")))
+    if not all_usable:
+        tokens = tokens.masked_fill(~usable, NO_TOKEN)
+        logprobs = logprobs.masked_fill(~usable, float("nan"))
     return tokens, logprobs
