@@ -20,7 +20,7 @@ def fuzzed():
         yield eng, weights, [s.response_ids for s in eng.generate(*PROBE).samples]
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(ops=operations)
 def test_public_surface_fuzz_one_rank(fuzzed, ops):
     engine, weights, probe = fuzzed
