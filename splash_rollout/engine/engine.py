@@ -44,7 +44,7 @@ from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.projections import drop_full_projections, slice_projections
 from splash_rollout.engine.rank_state import RankState
 from splash_rollout.engine.request import Request
-from splash_rollout.engine.sampler import sample
+from splash_rollout.engine.sampler import SamplingBatch, sample
 from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
 from splash_rollout.engine.step_control import StepControl, exchange
@@ -294,7 +294,8 @@ class Engine:
         step = _Step(scheduled, batch.num_tokens)
         if self.rank == 0:
             params = [s.request for s in scheduled if s.samples]
-            tokens, logprobs = sample(logits, [r.spec for r in params], [r.generator for r in params])
+            tokens, logprobs = sample(logits, SamplingBatch.make([r.spec for r in params],
+                                                                 [r.num_output_tokens for r in params], logits.device))
             step.finished = self._postprocess(scheduled, tokens, logprobs)
             step.tokens = tokens.to(torch.int32).cpu().numpy()
         if order is not None:
@@ -397,7 +398,7 @@ class Engine:
 
         if self.asleep:
             raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
-        validate_update(named, self.full_shapes)
+        validate_update(named, self.full_shapes, check_finite=False)  # values: checked once, by the caller
         apply_update(self.model, self.state.shards, named, self.rank, self.world_size)
 
     # ---- sleep / wake (every rank; engine/sleep.py) ----------------------------------------------

@@ -10,14 +10,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from splash_rollout.engine.page_manager import num_pages_for
 
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """Per-sample sampling settings as the engine sees them (the seed is already concrete)."""
+    """Per-sample sampling settings as the engine sees them (the seed is already concrete; the
+    sampler uses its low 64 bits)."""
 
     temperature: float = 1.0
     top_k: int = -1
@@ -61,11 +60,7 @@ class Request:
     """[T] pages still promised to this request on each rank (reserve-on-admit)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
-
-    def __post_init__(self) -> None:
-        if self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.spec.seed)
+    """None while it runs; then ``stop``, ``length``, ``abort`` or ``error`` (its logits were not finite)."""
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -124,7 +119,12 @@ class Request:
 
     # ---- transitions -------------------------------------------------------------------------
     def append_token(self, token: int, logprob: float) -> None:
-        """Record a sampled token and decide whether the request stops here."""
+        """Record a sampled token and decide whether the request stops here. A negative token is the
+        sampler's refusal (non-finite logits, ``sampler.NO_TOKEN``): nothing is recorded and the
+        request ends with ``error``."""
+        if token < 0:
+            self.finish_reason = "error"
+            return
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         if not self.spec.ignore_eos and token in self.eos_token_ids:

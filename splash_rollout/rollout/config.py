@@ -31,7 +31,12 @@ class EngineConfig:
     num_pages: int | None = None
     """Exact KV-pool size in pages (overrides ``memory_budget_gib``)."""
     max_model_len: int | None = None
-    """Context limit (prompt + response); None: the model's max_position_embeddings."""
+    """Context limit (prompt + response); None: the model's max_position_embeddings. A prompt must be
+    shorter; a response stops at the limit with finish_reason ``length`` (``max_new_tokens`` is capped
+    by what the context leaves, never refused)."""
+    max_queued_requests: int = 65536
+    """Most samples one ``generate`` call may ask for (prompts x n): a call beyond it is refused up
+    front, naming the bound, instead of building millions of requests."""
     layout: str = "tp"
     """Attention layout over the T ranks: tp, dp (DP-attention), dop, cp, or auto (the scheduler's
     policy picks and switches, starting in DP-attention); meaningless at world_size 1."""
@@ -82,6 +87,9 @@ class EngineConfig:
             raise ValueError(f"memory_budget_gib: expected > 0, got {self.memory_budget_gib}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
+        if isinstance(self.max_queued_requests, bool) or not isinstance(self.max_queued_requests, int) \
+                or self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests: expected an integer >= 1, got {self.max_queued_requests!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         if not self.rank_timeout_s > 0:

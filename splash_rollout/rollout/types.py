@@ -1,27 +1,40 @@
 """Rollout data types: SamplingParams in, RolloutBatch (groups of samples + layout timeline) out."""
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
+
+
+MIN_TEMPERATURE = 1e-4
+"""Smallest non-zero temperature: logits / temperature must stay finite in float32."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
-    """Samples per prompt (one group)."""
+    """Samples per prompt (one group); a call's prompts x n is bounded by
+    ``EngineConfig.max_queued_requests``."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 means greedy; otherwise finite and at least ``MIN_TEMPERATURE`` (below it the tempered logits
+    overflow float32)."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 (or 0) disables top-k."""
     min_p: float = 0.0
     max_new_tokens: int = 16
+    """Response tokens at most; the context (``EngineConfig.max_model_len``) caps it: a response that
+    reaches the context limit stops there with finish_reason ``length``."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
     """Sample j of the prompt gets a seed derived from (seed, j); None derives it from the engine's
-    seed, a per-call counter and the prompt index. Same seed, same tokens, whatever the batch."""
+    seed, a per-call counter and the prompt index. Same seed, same tokens, whatever the batch. Any
+    integer (negative and huge ones too) is a seed: it enters through its low 64 bits."""
 
     def __post_init__(self) -> None:
         for name in ("n", "top_k", "max_new_tokens") + (("seed",) if self.seed is not None else ()):
@@ -32,6 +45,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise TypeError(f"ignore_eos: expected a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
+        if isinstance(self.stop_token_ids, (str, bytes, dict)) or not isinstance(self.stop_token_ids, Iterable):
+            raise TypeError(f"stop_token_ids: expected a sequence of integer token ids, "
+                            f"got {type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bad = [t for t in self.stop_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
         if bad:
             raise TypeError(f"stop_token_ids: expected integer token ids, got {bad[:5]}")
@@ -39,6 +58,9 @@ class SamplingParams:
             raise ValueError(f"n: expected >= 1, got {self.n}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature: expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -59,7 +81,10 @@ class Sample:
     response_logprobs: list[float]
     """[num_response_tokens] log p(token) under log_softmax(logits / temperature), before truncation."""
     finish_reason: str
-    """``stop`` (eos / stop token), ``length`` (max_new_tokens or context) or ``abort``."""
+    """``stop`` (eos / stop token), ``length`` (max_new_tokens or the context limit), ``abort``
+    (``RolloutEngine.abort``), or ``error``: the model's logits for its next token held a NaN or +inf,
+    so nothing was drawn; the response holds the tokens before it (all with finite logprobs) and the
+    other samples of the call are unaffected. Drop such samples from a training batch."""
     seed: int
     weight_version: int = 0
     """The ``update_weights`` version the sample was generated with."""

@@ -1,4 +1,4 @@
-"""Input checks of a RolloutEngine call, run before any work starts (issue 9, "Reliability").
+"""Input checks of a RolloutEngine call, run before any work starts.
 
 A rollout engine lives for days inside an RL job. A bad input must fail the one call that carries it
 with an error that names the field and what was expected ("field: expected X, got Y"), before any
@@ -8,6 +8,7 @@ good call. These checks sit here, apart from ``RolloutEngine``, so the rules are
 * ``check_world_size``: every sharded dimension splits evenly over the T ranks (checked before the
   ranks are spawned, not when a worker's ``div_even`` fails halfway through building).
 * ``prompt_ids`` / ``check_sampling``: one prompt's token ids, and the per-prompt SamplingParams.
+* ``check_queue_bound``: a call asks for at most ``EngineConfig.max_queued_requests`` samples.
 * ``agree_across_ranks``: under torchrun every rank calls ``generate``; rank 0's requests are the
   ones served, so ranks that were handed different prompts would silently get rank 0's answers (or
   hang in a collective if one rank rejected its input). A digest of each rank's requests (or its
@@ -43,6 +44,8 @@ def prompt_ids(i: int, prompt: Any, vocab_size: int, max_len: int, encode: Calla
     """prompts[i] as a list of token ids in [0, vocab_size), shorter than the context ``max_len``."""
     if isinstance(prompt, str):
         ids = list(encode(prompt))
+    elif isinstance(prompt, (bytes, bytearray, dict)):
+        raise TypeError(f"prompts[{i}]: expected a string or a sequence of token ids, got {type(prompt).__name__}")
     else:
         try:
             ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)  # list, tuple, array, tensor
@@ -63,6 +66,14 @@ def prompt_ids(i: int, prompt: Any, vocab_size: int, max_len: int, encode: Calla
         raise ValueError(f"prompts[{i}]: expected fewer than {max_len} tokens (the context, max_model_len, "
                          f"must leave room for a response), got {len(ids)}")
     return ids
+
+
+def check_queue_bound(params: Sequence[Any], max_queued_requests: int) -> None:
+    """The call's samples (sum of n over its prompts) fit the engine's queue bound."""
+    total = sum(p.n for p in params)
+    if total > max_queued_requests:
+        raise ValueError(f"sampling: {len(params)} prompts x n ask for {total} samples, more than "
+                         f"EngineConfig.max_queued_requests={max_queued_requests}; split the call or raise the bound")
 
 
 def check_sampling(params: Sequence[Any], vocab_size: int, sampling_type: type) -> None:

@@ -200,7 +200,10 @@ def test_bad_weight_push_keeps_the_old_weights_on_every_rank(engine):
 
     new = MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=99).state_dict()
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
-    for push, message in [({**new, name: new[name].half()}, rf"{name}: expected dtype torch.float32"),
+    lossy = new[name].double() * (1 + 1e-9)  # float64 values float32 would round (an exact cast is accepted)
+    for push, message in [({**new, name: lossy}, rf"{name}: expected dtype torch.float32, got torch.float64, and"),
+                          ({**new, name: torch.full_like(new[name], float("nan"))}, rf"{name}: \d+ of its \d+ values are NaN"),
+                          ({**new, name: new[name][:, :1]}, rf"{name}: has shape .* a shard"),
                           ({**new, name: new[name].t()}, rf"{name}: expected shape"),
                           ({**new, "lm_head.bias": torch.zeros(512)}, r"unknown parameter names \['lm_head.bias'\]")]:
         with pytest.raises(ValueError, match=message):

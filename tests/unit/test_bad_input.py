@@ -1,4 +1,4 @@
-"""Bad input to a one-rank RolloutEngine (issue 9): a clear error naming the field, raised before any
+"""Bad input to a one-rank RolloutEngine: a clear error naming the field, raised before any
 work starts, and nothing already accepted is lost -- the next good call gives exactly the tokens it
 would have given had the bad call never been made (seed counters do not move on error).
 
@@ -18,7 +18,8 @@ GOOD = [[5, 6, 7, 8], [9, 10]]
 # temperature 1 with engine-derived seeds: the tokens depend on the per-call seed counter
 SAMPLED = SamplingParams(n=2, max_new_tokens=6, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-CFG = dict(model="glm5-nano", num_pages=16, page_size=4, max_model_len=32, max_num_batched_tokens=32)
+CFG = dict(model="glm5-nano", num_pages=16, page_size=4, max_model_len=32, max_num_batched_tokens=32,
+           max_queued_requests=64)
 
 
 def _tokens(batch):
@@ -43,6 +44,10 @@ BAD_CALLS = [  # (prompts, sampling, exception, message)
     ([[3], [4]], [SamplingParams()], ValueError, r"sampling: expected one SamplingParams or 2, got 1"),
     ([[3]], [{"n": 2}], TypeError, r"sampling\[0\]: expected SamplingParams, got dict"),
     ([[3]], SamplingParams(stop_token_ids=(512,)), ValueError, r"sampling\[0\]\.stop_token_ids: \[512\] outside"),
+    ([[3]], 5, TypeError, r"sampling: expected SamplingParams or a list of them, got int"),
+    ([b"ab"], None, TypeError, r"prompts\[0\]: expected a string or a sequence of token ids, got bytes"),
+    ([[3], [4]], SamplingParams(n=40), ValueError,
+     r"sampling: 2 prompts x n ask for 80 samples, more than EngineConfig.max_queued_requests=64"),
 ]
 
 
@@ -80,6 +85,11 @@ def test_prompt_longer_than_the_pool_names_the_prompt_and_the_remedy():
     (dict(max_new_tokens=0), ValueError, r"max_new_tokens: expected >= 1, got 0"),
     (dict(max_new_tokens=None), TypeError, r"max_new_tokens: expected an integer, got NoneType"),
     (dict(stop_token_ids=(1, 2.5)), TypeError, r"stop_token_ids: expected integer token ids, got \[2.5\]"),
+    (dict(stop_token_ids=5), TypeError, r"stop_token_ids: expected a sequence of integer token ids, got int"),
+    (dict(stop_token_ids=None), TypeError, r"stop_token_ids: expected a sequence of integer token ids, got NoneType"),
+    (dict(temperature=float("inf")), ValueError, r"temperature: expected 0 \(greedy\) or a finite number >= 0.0001"),
+    (dict(temperature=1e-30), ValueError, r"temperature: expected 0 \(greedy\) or a finite number >= 0.0001"),
+    (dict(ignore_eos="yes"), TypeError, r"ignore_eos: expected a bool, got str"),
     (dict(seed="7"), TypeError, r"seed: expected an integer, got str"),
 ])
 def test_sampling_params_name_the_field(kw, exc, message):
@@ -104,6 +114,7 @@ def test_numpy_and_torch_integers_are_accepted():
     (dict(rank_timeout_s=0), r"rank_timeout_s: expected > 0 seconds, got 0"),
     (dict(max_model_len=1), r"max_model_len: expected >= 2, got 1"),
     (dict(num_pages=0), r"num_pages: expected >= 1, got 0"),
+    (dict(max_queued_requests=0), r"max_queued_requests: expected an integer >= 1, got 0"),
 ])
 def test_engine_config_names_the_field(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -147,7 +158,11 @@ def test_update_weights_rejects_bad_pushes_whole_and_keeps_the_old_weights():
         bad_pushes = [  # each is otherwise the full, good update: a partial write would change the output
             ({**new, "model.no_such.weight": torch.zeros(2)}, ValueError, r"unknown parameter names \['model.no_such"),
             ({**new, name: new[name][:-1]}, ValueError, rf"{name}: expected shape"),
-            ({**new, name: new[name].double()}, ValueError, rf"{name}: expected dtype torch.float32, got torch.float64"),
+            ({**new, name: new[name].double() + 1e-12}, ValueError,
+             rf"{name}: expected dtype torch.float32, got torch.float64, and \d+ of its \d+ values do not cast"),
+            ({**new, name: new[name][: new[name].shape[0] // 2]}, ValueError, rf"{name}: has shape .* 1/2 of the full"),
+            ({**new, name: torch.full_like(new[name], float("nan"))}, ValueError,
+             rf"{name}: {new[name].numel()} of its {new[name].numel()} values are NaN or infinite"),
             ({**new, name: new[name].tolist()}, TypeError, rf"{name}: expected a torch.Tensor, got list"),
             (list(new.items()), TypeError, r"update_weights: expected a dict of name -> tensor, got list"),
         ]
