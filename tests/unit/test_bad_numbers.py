@@ -99,7 +99,7 @@ def test_non_finite_logits_end_only_the_affected_samples_with_error(eng):
         for s in g.samples:
             assert s.finish_reason == "error" and s.response_ids == [] and s.response_logprobs == []
     assert all(math.isfinite(lp) for s in batch.samples for lp in s.response_logprobs)
-    pm = eng.engine.pages
+    pm = eng.local_engine.scheduler.placement.managers[0]
     assert pm.num_free == pm.num_pages  # the refused samples gave their pages back
     assert _tokens(eng.generate([clean_prompt], SAMPLED)) == want  # and the engine serves on
 
@@ -116,4 +116,4 @@ def test_the_queue_bound_is_stated_and_default_sane(eng):
     with pytest.raises(ValueError, match=r"1 prompts x n ask for 10000000 samples, more than "
                                          r"EngineConfig.max_queued_requests=65536"):
         eng.generate([[3]], SamplingParams(n=10_000_000))
-    assert not eng.engine.has_unfinished
+    assert not eng.local_engine.scheduler.has_unfinished

@@ -25,5 +25,5 @@ def fuzzed():
 def test_public_surface_fuzz_one_rank(fuzzed, ops):
     engine, weights, probe = fuzzed
     run_operations(engine, ops, weights, probe)
-    pm = engine.engine.pages
-    assert pm.num_free == pm.num_pages and not engine.engine.has_unfinished
+    pm = engine.local_engine.scheduler.placement.managers[0]
+    assert pm.num_free == pm.num_pages and not engine.local_engine.scheduler.has_unfinished
