@@ -1,4 +1,4 @@
-"""Load test (issue 9): thousands of short prompts in ONE generate call on 2 spawned ranks.
+"""Load test: thousands of short prompts in ONE generate call on 2 spawned ranks.
 
 Workload: ``--num-prompts`` (2,000) prompts of 4-32 random tokens, ``n`` (4) samples each, up to
 ``--max-new-tokens`` (8) sampled tokens with temperature 1 and a few stop tokens, on ``glm5-nano``

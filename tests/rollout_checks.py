@@ -1,4 +1,4 @@
-"""Checks shared by the nothing-lost tests on one rank and on spawned ranks (issue 9)."""
+"""Checks shared by the nothing-lost tests on one rank and on spawned ranks."""
 from __future__ import annotations
 
 from splash_rollout.models.config import PRESETS

@@ -1,1 +1,1 @@
-"""distributed layer of splash_rollout (see DESIGN.md §2)."""
+"""distributed layer of splash_rollout."""

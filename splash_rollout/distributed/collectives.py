@@ -140,6 +140,21 @@ class Comm:
             dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def broadcast_bytes(self, payload: bytes | None, tag: str = "step/control", src: int = 0) -> bytes:
+        """Rank ``src`` sends ``payload`` (its length first), every rank returns it. Counted under
+        ``tag``: the payload once per receiving peer on the sender, once on each receiver."""
+        if self.world_size == 1:
+            return payload
+        size = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.group)
+        n = int(size)
+        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == src
+                  else torch.empty(n, dtype=torch.uint8))
+        if n:
+            dist.broadcast(buffer, src=src, group=self.group)
+        self.counter.add(tag, n * (self.world_size - 1) if self.rank == src else 0, 0 if self.rank == src else n)
+        return payload if self.rank == src else buffer.numpy().tobytes()
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order, on every rank."""
         if self.world_size == 1:

@@ -118,7 +118,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
-    from splash_rollout.engine.faults import inject
+    from splash_rollout.distributed.faults import inject
 
     inject("rank_start", 0, args.rank, unit="stage")  # before the caller hears from us: a crash
     conn, lock = Connection(args.fd), threading.Lock()

@@ -1,4 +1,4 @@
-"""The feed-forward blocks on T ranks, whatever the attention layout (DESIGN.md §3).
+"""The feed-forward blocks on T ranks, whatever the attention layout.
 
 Dense MLPs run tensor-parallel (gate/up rows and down columns split over ranks); routed experts are
 spread over ranks (rank r holds experts [r*E/T, (r+1)*E/T)) and the shared expert runs

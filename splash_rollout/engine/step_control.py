@@ -15,9 +15,6 @@ import pickle
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.distributed as dist
-
 from splash_rollout.distributed.collectives import Comm
 from splash_rollout.layout.layouts import Layout
 
@@ -44,18 +41,6 @@ def exchange(comm: Comm, control: StepControl | None) -> tuple[StepControl, int]
     one). Returns (the message, its payload bytes). Counted under ``step/control``."""
     if comm.world_size == 1:
         return control, 0
-    if comm.rank == 0:
-        payload = pickle.dumps(control, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=comm.group)
-    n = int(size)
-    buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == 0
-              else torch.empty(n, dtype=torch.uint8))
-    dist.broadcast(buffer, src=0, group=comm.group)
-    comm.counter.add("step/control", n * (comm.world_size - 1) if comm.rank == 0 else 0,
-                     0 if comm.rank == 0 else n)
-    if comm.rank == 0:
-        return control, n
-    return pickle.loads(buffer.numpy().tobytes()), n
+    payload = pickle.dumps(control, protocol=pickle.HIGHEST_PROTOCOL) if comm.rank == 0 else None
+    got = comm.broadcast_bytes(payload, tag="step/control")
+    return (control if comm.rank == 0 else pickle.loads(got)), len(got)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from splash_rollout.distributed.collectives import Comm, Pending
-from splash_rollout.engine.faults import inject
+from splash_rollout.distributed.faults import inject
 from splash_rollout.engine.kv_pool import KVPool
 from splash_rollout.engine.kv_switch import KVMove
 from splash_rollout.engine.placement import NOT_HERE
@@ -144,7 +144,7 @@ class LayerSwitch:
         weights, kv = self.pending[i]
         if weights is not None:
             self.shards[i] = weights()
-        inject("switch_transfer", i, self.view.rank)  # tests: SPLASH_FAULT (engine/faults.py)
+        inject("switch_transfer", i, self.view.rank)  # tests: SPLASH_FAULT (distributed/faults.py)
         if self.pool_pages is not None and self.pool.kv[i].shape[0] != self.pool_pages:
             self.pool.resize_layer(i, self.pool_pages)
         if kv is not None:

@@ -1,4 +1,4 @@
-"""The four attention layouts as two independent choices (paper §2, DESIGN.md §1).
+"""The four attention layouts as two independent choices (paper §2).
 
 A layout says where the switchable attention projections live (``Placement``: sharded over the T
 ranks by head, or replicated on each) and who holds a request's latent KV history (``Ownership``:

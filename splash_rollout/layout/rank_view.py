@@ -1,6 +1,6 @@
 """RankView: one rank's share of a layout — the local sizes layers read instead of the world size.
 
-STYLE 1: layers never read the world size. An executor asks its rank view which heads it projects
+Layers never read the world size. An executor asks its rank view which heads it projects
 (``head_slice``), whether it stores a request's history (``stores_request`` / ``page_rank``) and
 how many ranks share the work. A live switch swaps the view; the layers stay the same.
 """

@@ -1,1 +1,1 @@
-"""models layer of splash_rollout (see DESIGN.md §2)."""
+"""models layer of splash_rollout."""

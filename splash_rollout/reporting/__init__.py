@@ -1,4 +1,4 @@
-"""reporting layer of splash_rollout (see DESIGN.md §2): metrics sinks (W&B on rank 0, a no-op sink of
+"""reporting layer of splash_rollout: metrics sinks (W&B on rank 0, a no-op sink of
 the same shape elsewhere), the layout timeline as JSON / PNG / per-step ``layout/*`` records, and a
 progress bar for long rollout calls. wandb is imported here and nowhere else."""
 from splash_rollout.reporting.sinks import JsonlSink, MetricsSink, MultiSink, NoOpSink, make_sink

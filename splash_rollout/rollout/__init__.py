@@ -1,1 +1,1 @@
-"""rollout layer of splash_rollout (see DESIGN.md §2)."""
+"""rollout layer of splash_rollout."""

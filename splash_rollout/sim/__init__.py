@@ -1,4 +1,4 @@
-"""GPU-scale simulation on the cost model (pure: numpy, matplotlib for figures; DESIGN.md §2):
+"""GPU-scale simulation on the cost model (pure: numpy, matplotlib for figures):
 an event-driven continuous-batching engine (``core``), the sweep and drain experiments (``runs``)
 and ``python -m splash_rollout.sim``."""
 from splash_rollout.sim.core import ADAPTIVE, SimConfig, SimResult, Workload, simulate

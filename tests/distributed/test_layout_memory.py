@@ -1,4 +1,4 @@
-"""Per-rank resident bytes follow the ownership model, and DOP's bigger pool admits more (issue 4)."""
+"""Per-rank resident bytes follow the ownership model, and DOP's bigger pool admits more."""
 import pytest
 import torch
 

@@ -1,11 +1,11 @@
-"""Reliability of a 2-rank spawned RolloutEngine (issue 9): nothing lost, aborts, rank failures.
+"""Reliability of a 2-rank spawned RolloutEngine: nothing lost, aborts, rank failures.
 
 * Property test: random request mixes (prompt lengths, n, max_new_tokens, stop tokens), random
   switch schedules and aborts; every sample comes back exactly once with a finish reason that fits
   its tokens, and after every call no KV page is held or reserved on any rank (and each rank's
   physical pool matches the driver's page count for the layout it ended in).
 * 50 calls with a layout switch in each: no growth.
-* A rank killed mid-rollout, and a failure injected into a switch transfer (engine/faults.py): the
+* A rank killed mid-rollout, and a failure injected into a switch transfer (distributed/faults.py): the
   caller gets a clear error within the rank timeout, never a hang; the engine then refuses every
   call and says why; a new engine in the same process generates correctly.
 Bad input to one rank is in tests/unit/test_bad_input.py; torchrun ranks in torchrun_reliability.py.

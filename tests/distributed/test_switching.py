@@ -1,4 +1,4 @@
-"""Live switching (issue 5): all 12 directions mid-batch give the tokens of the run without a switch,
+"""Live switching: all 12 directions mid-batch give the tokens of the run without a switch,
 and the bytes the wrappers count equal the SwitchPlan's prediction."""
 from itertools import permutations
 

@@ -1,4 +1,4 @@
-"""Nothing lost on one rank (issue 9): every submitted sample comes back exactly once with a finish
+"""Nothing lost on one rank: every submitted sample comes back exactly once with a finish
 reason that fits its tokens, whatever the request mix and wherever an abort lands, and no KV page is
 held after any call (50 calls, 10 sleep/wake cycles: no growth). The 2-rank version, with switch schedules, is in
 tests/distributed/test_reliability.py.

@@ -1,7 +1,7 @@
 """AttentionExecutor: how one attention layer runs for one step under one layout.
 
 The model runner hands an executor the normed hidden rows ``x: [N, hidden]`` (replicated, full
-rows -- DESIGN.md §3) and gets back the attention output rows ``[N, hidden]``. Everything a layout
+rows) and gets back the attention output rows ``[N, hidden]``. Everything a layout
 changes -- which heads a rank projects, where a request's KV lives, which collectives run -- lives
 behind this one method, so TP / DP / DOP / CP executors swap in without touching the runner.
 Executors take their local sizes from what they are constructed with (a rank view of the layout),

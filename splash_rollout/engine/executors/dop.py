@@ -1,4 +1,4 @@
-"""DOP: sharded projections, request-owned KV (paper §3, DESIGN.md §3).
+"""DOP: sharded projections, request-owned KV (paper §3).
 
 Each rank projects q and absorbs W_UK for its H/T heads over all N rows; a variable-size
 all-to-all sends each request's rows (this rank's head slice) to its owner, which assembles all H

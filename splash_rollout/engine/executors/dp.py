@@ -1,5 +1,5 @@
 """DP-attention: each rank runs all heads for the rows of the requests it owns, against its own
-histories; the output rows are all-gathered back into batch order (DESIGN.md §3)."""
+histories; the output rows are all-gathered back into batch order."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
 """TP: each rank runs its H/T heads over every row and every history (each rank stores them all),
-o_proj row-sharded, then one all-reduce completes the layer (DESIGN.md §3)."""
+o_proj row-sharded, then one all-reduce completes the layer."""
 from __future__ import annotations
 
 import torch
