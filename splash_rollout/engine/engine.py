@@ -91,6 +91,10 @@ class EngineSettings:
     switch); None keeps ``num_pages`` in every layout."""
     switch_schedule: dict[int, Layout] = field(default_factory=dict)
     """Engine step -> layout to switch to at that step (tests and benchmarks)."""
+    reachable_layouts: tuple[Layout, ...] = ()
+    """Layouts the engine may enter on its own (``auto``): a request that any of their pools can hold
+    is accepted. Empty: only the current layout's pools count. Every rank's replica uses this, so
+    they all accept the same requests."""
 
     @property
     def initial_pages(self) -> int:
@@ -286,6 +290,7 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise RuntimeError("step: nothing schedulable although requests are pending")
+        self.driver.stepped()
         schedule_s = lap()
         batch = self._batch(scheduled)
         batch_s = lap()
@@ -381,12 +386,11 @@ class Engine:
         policy chooses layouts (auto) and memory follows the layout, in any layout it may enter
         (a request only DOP's larger pool holds waits at the queue head until the policy moves)."""
         placement = self.scheduler.placement
-        policy = self.driver.policy
         by_layout = self.settings.pages_by_layout
-        if policy is None or not by_layout:
+        if not self.settings.reachable_layouts or not by_layout:
             return placement.can_ever_admit(request)
         return any(placement.can_ever_admit(request, l, [by_layout[l]] * self.world_size)
-                   for l in policy.config.layouts)
+                   for l in self.settings.reachable_layouts)
 
     def request_switch(self, dst: Layout | str, blocking: bool = False) -> None:
         """Rank 0: switch to ``dst`` at the next step boundary."""

@@ -28,6 +28,7 @@ class LayoutDriver:
         """Response lengths of this call's samples that stopped (EOS / stop) and that hit their cap:
         what the policy's horizon estimate learns from (scheduling/horizon.py)."""
         self.steps_in_layout = 0
+        """Steps run since the last switch (the policy's dwell)."""
 
     def request(self, dst: Layout, blocking: bool = False) -> None:
         self.pending = (dst, blocking)
@@ -56,6 +57,10 @@ class LayoutDriver:
     def switched(self) -> None:
         self.pending = None
         self.steps_in_layout = 0
+
+    def stepped(self) -> None:
+        """A step ran in the current layout (the policy's dwell counts these)."""
+        self.steps_in_layout += 1
 
     def _consult_policy(self, layout: Layout, step: int, scheduler: Scheduler) -> None:
         from splash_rollout.scheduling.cost_model import StepBatch

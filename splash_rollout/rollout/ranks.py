@@ -166,7 +166,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
     return EngineSettings(layout=layout, num_pages=num_pages, page_size=config.page_size,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                           attention_backend=config.attention_backend, dtype=dtype, device=rank_device(config, 0),
-                          pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule)
+                          pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
+                          reachable_layouts=tuple(Layout) if auto and world_size > 1 else ())
 
 
 def rank_device(config, rank: int) -> str:
