@@ -106,18 +106,25 @@ class ForwardBatch:
         return self.scratch["max_seq_len"]
 
     # ---- derived tensors (cached per step: every layer reads the same) ---------------------------
+    def key_stored(self) -> torch.Tensor:
+        """Bool [B, S] (S = ``max_seq_len``): whether this rank stores each history position of each
+        request (False past a request's length and where another rank holds the page)."""
+        if "key_stored" not in self.scratch:
+            pos = torch.arange(self.max_seq_len, device=self.device)
+            pages = self.block_table.index_select(1, pos // self.page_size)
+            self.scratch["key_stored"] = (pages >= 0) & (pos[None, :] < self.seq_lens[:, None])
+        return self.scratch["key_stored"]
+
     def key_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [B, S] int64, stored [B, S] bool) with S = ``max_seq_len``: the pool slot of every
-        history position of every request and whether this rank stores it (False past a request's
-        length and where another rank holds the page; those slots read as 0 and must be masked)."""
+        """(slots [B, S] int64, stored [B, S] bool): the pool slot of every history position of
+        every request (0 where not stored here; those must be masked) and ``key_stored``."""
         if "key_slots" not in self.scratch:
-            s = self.max_seq_len
-            pos = torch.arange(s, device=self.device)
-            pages = self.block_table.index_select(1, pos // self.page_size) if s else self.block_table[:, :0]
-            stored = (pages >= 0) & (pos[None, :] < self.seq_lens[:, None])
-            slots = torch.where(stored, pages * self.page_size + pos % self.page_size, torch.zeros_like(pages))
-            self.scratch["key_slots"] = (slots, stored)
-        return self.scratch["key_slots"]
+            pos = torch.arange(self.max_seq_len, device=self.device)
+            pages = self.block_table.index_select(1, pos // self.page_size)
+            stored = self.key_stored()
+            self.scratch["key_slots"] = torch.where(stored, pages * self.page_size + pos % self.page_size,
+                                                    torch.zeros_like(pages))
+        return self.scratch["key_slots"], self.key_stored()
 
     def causal(self) -> torch.Tensor:
         """Bool [N, S]: row n may see position s (s <= its own position, s inside its request)."""
@@ -280,7 +287,7 @@ class PaddedChunk:
         j = torch.arange(q_len, device=device)
         valid = j[None, :] < counts[:, None]
         rows = torch.where(valid, first[:, None] + j[None, :], torch.zeros_like(first)[:, None])
-        _, stored = batch.key_slots()
+        stored = batch.key_stored()
         pages = batch.block_table[idx, : -(-keys // batch.page_size)].clamp(min=0)
         return cls(idx, rows, valid, pages, stored[idx, :keys])
 

@@ -50,7 +50,7 @@ class TorchBackend(AttentionBackend):
     # ---- DSA: per-row gathered keys ----------------------------------------------------------------
     def _selected(self, q, q_pe, rows, batch, selected, scale, out, lse) -> None:
         r = q.shape[-1]
-        _, stored = batch.key_slots()  # [B, S]
+        stored = batch.key_stored()  # [B, S]
         allowed = selected & stored.index_select(0, batch.row_seq)  # [N, S]: selected and stored here
         index, valid = allowed_index(allowed)  # [N, K] positions, [N, 1, K]
         pages = batch.block_table[batch.row_seq[:, None], index // batch.page_size]  # [N, K]

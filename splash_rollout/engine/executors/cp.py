@@ -19,12 +19,6 @@ from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.models.attention_math import indexer_select, merge_partial_attention
 
 
-def positions_on_rank(seq_len: int, rank: int, world_size: int, page_size: int) -> torch.Tensor:
-    """[S_rank] int64: the history positions of a ``seq_len``-long request that ``rank`` stores under CP."""
-    pos = torch.arange(seq_len, dtype=torch.int64)
-    return pos[(pos // page_size) % world_size == rank]
-
-
 class CPExecutor(AttentionExecutor):
     def __init__(self, rank_state) -> None:
         self.s = rank_state
