@@ -36,8 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from splash_rollout import EngineConfig  # noqa: E402
 from splash_rollout.distributed.launch import WorkerGroup  # noqa: E402
 from splash_rollout.engine.engine import pages_per_rank, sizes_for  # noqa: E402
+from splash_rollout.engine.admission import AdmissionSettings  # noqa: E402
 from splash_rollout.engine.placement import KVPlacement  # noqa: E402
 from splash_rollout.engine.request import Request, SamplingSpec  # noqa: E402
+from splash_rollout.engine.scheduler import Scheduler  # noqa: E402
 from splash_rollout.layout.footprint import RankBudget, footprints  # noqa: E402
 from splash_rollout.layout.layouts import ALL_LAYOUTS, Layout  # noqa: E402
 from splash_rollout.models.config import resolve_model  # noqa: E402
@@ -54,15 +56,13 @@ def make_requests(num: int, prompt_len: int, max_new: int, vocab_size: int, max_
 
 
 def predicted_concurrency(layout: Layout, pages: int, world_size: int, page_size: int, requests: list[Request]) -> int:
-    """Requests admitted at once into empty pools by the engine's reserve-on-admit rule."""
+    """Requests admitted at once into empty pools when each holds its whole cap (worst-case admission)."""
     placement = KVPlacement([pages] * world_size, page_size, layout)
-    admitted = 0
+    scheduler = Scheduler(placement, 10**9, 10**9, admission=AdmissionSettings(mode="worst_case"), prefix_sharing=False)
     for r in requests:
-        if not placement.can_admit(r):
-            break
-        placement.admit(r)
-        admitted += 1
-    return admitted
+        scheduler.add(r)
+    scheduler.schedule()
+    return len(scheduler.running)
 
 
 def serve_on_rank(ctx, config: EngineConfig, num: int, prompt_len: int, max_new: int) -> dict | None:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in systems:
             config = EngineConfig(model=args.model, world_size=t, layout=name, dtype=dtype, page_size=args.page_size,
                                   memory_budget_gib=budget / 2**30, max_num_batched_tokens=512,
-                                  max_num_seqs=max(256, args.requests))
+                                  max_num_seqs=max(256, args.requests), admission="worst_case")
             measured = group.run(serve_on_rank, config, args.requests, args.prompt_len, args.max_new_tokens,
                                  timeout_s=1800)[0]
             row: dict = {"measured": measured}

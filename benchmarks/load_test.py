@@ -32,11 +32,11 @@ def peak_rss_mib(ctx=None) -> float:
 
 
 def held_pages(ctx) -> dict | None:
-    """Rank 0: pages in use / reserved per rank in the driver's page tables (both must be 0)."""
+    """Rank 0: pages in use and page references per rank in the driver's page tables (both must be 0)."""
     if ctx.rank:
         return None
     placement = ctx.state["engine"].scheduler.placement
-    return {"used": placement.pages_in_use, "reserved": placement.pages_reserved}
+    return {"used": placement.pages_in_use, "references": [m.num_references for m in placement.managers]}
 
 
 def main() -> None:
@@ -83,7 +83,7 @@ def main() -> None:
         problems.append("a response is empty or longer than max_new_tokens")
     if len({s.seed for s in samples}) != len(samples):
         problems.append("two samples share a seed")
-    if any(pages["used"]) or any(pages["reserved"]):
+    if any(pages["used"]) or any(pages["references"]):
         problems.append(f"pages held after the call: {pages}")
     tokens = sum(len(s.response_ids) for s in samples)
     result = {

@@ -55,7 +55,7 @@ def admit_as_decoding(scheduler, requests: list[Request]) -> None:
     """Put ``requests`` into the running set with their history's pages granted (deterministic: every
     replica that calls this with the same requests ends in the same state)."""
     for r in requests:
-        scheduler.placement.admit(r)
+        scheduler.placement.start(r, scheduler.placement.owners_by_balance()[0])
         scheduler.placement.grow(r, r.num_prompt_tokens - 1)
         r.num_computed_tokens = r.num_prompt_tokens - 1
         r.status = RequestStatus.RUNNING

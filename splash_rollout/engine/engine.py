@@ -36,6 +36,7 @@ from splash_rollout.engine.executors.dp import DPExecutor
 from splash_rollout.engine.executors.tp import TPExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
+from splash_rollout.engine.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
 from splash_rollout.engine.layout_driver import LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
@@ -95,6 +96,10 @@ class EngineSettings:
     """Layouts the engine may enter on its own (``auto``): a request that any of their pools can hold
     is accepted. Empty: only the current layout's pools count. Every rank's replica uses this, so
     they all accept the same requests."""
+    admission: AdmissionSettings = AdmissionSettings()
+    """How much KV growth admission expects (optimistic, with retraction; or worst case)."""
+    prefix_sharing: bool = True
+    """The samples of one prompt share its KV pages and prefill it once."""
 
     @property
     def initial_pages(self) -> int:
@@ -161,7 +166,8 @@ class Engine:
         self.runner = ModelRunner(model, EXECUTORS[settings.layout](self.state))
         self.scheduler = Scheduler(KVPlacement([num_pages] * t, settings.page_size, settings.layout),
                                    settings.max_num_batched_tokens, settings.max_num_seqs,
-                                   ever_admits=self.can_ever_admit)
+                                   ever_admits=self.can_ever_admit, admission=settings.admission,
+                                   prefix_sharing=settings.prefix_sharing)
         """This rank's replica: the same decisions on every rank."""
         self.block_table = BlockTable(settings.max_num_seqs, self.device)
         self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule)
@@ -290,17 +296,18 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise RuntimeError("step: nothing schedulable although requests are pending")
+        for r in self.scheduler.retracted:
+            self.block_table.release(r.request_id)
         self.driver.stepped()
         schedule_s = lap()
         batch = self._batch(scheduled)
         batch_s = lap()
         logits = self._forward(batch, order)
+        self.state.pool.copy_pages(*self._copies_here())
         forward_s = lap()
         step = _Step(scheduled, batch.num_tokens)
         if self.rank == 0:
-            params = [s.request for s in scheduled if s.samples]
-            tokens, logprobs = sample(logits, SamplingBatch.make([r.spec for r in params],
-                                                                 [r.num_output_tokens for r in params], logits.device))
+            tokens, logprobs = self._sample(scheduled, logits)
             step.finished = self._postprocess(scheduled, tokens, logprobs)
             step.tokens = tokens.to(torch.int32).cpu().numpy()
         if order is not None:
@@ -308,17 +315,40 @@ class Engine:
         sample_s = lap()
         self.num_steps += 1
         if self.rank == 0:
+            sched = self.scheduler
             self.step_log.append({
                 "step": self.num_steps - 1, "layout": self.layout.value, "requests": len(scheduled),
                 "rows": batch.num_tokens,
                 "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0 or s.num_new > 1),
-                "running": len(self.scheduler.running), "control_bytes": control_bytes,
+                "forks": sum(len(s.forks) for s in scheduled), "retracted": len(sched.retracted),
+                "prefix_hit_tokens": sched.prefix_hit_tokens,
+                "pages_used": sched.placement.pages_in_use, "pages_promised": sched.pages_promised(),
+                "pages_total": [m.num_pages for m in sched.placement.managers],
+                "running": len(sched.running), "control_bytes": control_bytes,
                 "seconds": control_s + clock[-1] - clock[0],
                 "split_s": {"control": control_s, "schedule": schedule_s, "batch": batch_s, "forward": forward_s,
                             "sample": sample_s}})
             if order is not None:
                 self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
         return step
+
+    def _sample(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0: one token per sampling chunk and per follower forked off it (the follower samples
+        from its leader's last prompt row with its own seed). logits: [R, vocab] → tokens, logprobs [R']."""
+        params, rows = [], []
+        for row, seq in enumerate(s for s in scheduled if s.samples):
+            for r in (seq.request, *seq.forks):
+                params.append(r)
+                rows.append(row)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return sample(logits, SamplingBatch.make([r.spec for r in params], [r.num_output_tokens for r in params],
+                                                 logits.device))
+
+    def _copies_here(self) -> tuple[list[int], list[int]]:
+        """This rank's copy-on-write pages of the step (followers' copies of a last prompt page)."""
+        mine = [c for c in self.scheduler.copies if c.rank == self.rank]
+        return [c.src for c in mine], [c.dst for c in mine]
 
     def _batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         """This rank's ForwardBatch: O(B) Python plus tensor ops on the device."""
@@ -350,7 +380,8 @@ class Engine:
         by_layout = self.settings.pages_by_layout
         capacity = [by_layout[dst]] * self.world_size if by_layout else None
         running = list(self.scheduler.running)
-        result = switch_placement(self.scheduler.placement, running, dst, capacity, list(self.scheduler.waiting))
+        result = switch_placement(self.scheduler.placement, running, dst, capacity, list(self.scheduler.waiting),
+                                  self.scheduler.pages_promised(dst))
         record = {"src": self.layout.value, "dst": dst.value, "step": self.num_steps, "blocking": blocking,
                   "deferred_reason": None}
         if isinstance(result, str):  # serving goes on in the source; the driver retries next boundary

@@ -144,6 +144,16 @@ class KVPool:
             slots, index_k = slots[here], index_k[here]
         cache.view(-1, cache.shape[-1])[slots] = index_k.to(self.dtype)
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages ``src[i]`` -> ``dst[i]`` in every layer (copy-on-write of a shared page)."""
+        if not src:
+            return
+        device = self.kv[0].device
+        s = torch.tensor(src, dtype=torch.int64, device=device)
+        d = torch.tensor(dst, dtype=torch.int64, device=device)
+        for t in self.kv + [t for t in self.index_k if t is not None]:
+            t[d] = t[s]
+
     # ---- reads -------------------------------------------------------------------------------
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots: [S] int64 → (c_kv [S, kv_lora_rank], k_pe [S, qk_rope_head_dim])."""

@@ -3,9 +3,9 @@
 At a step boundary the driver computes, for each running request, its page tables under the
 destination ownership: a rank that already stores a logical page keeps that very page (a discard
 keeps what the destination needs in place), every other destination copy gets a freshly allocated
-page — all before the step runs, so no layer ever waits for memory. Reservations for future tokens
-are re-made under the destination ownership. If any rank lacks the pages, the switch is deferred
-with the reason and nothing changes. Pages only the source needed are freed after the step.
+page — all before the step runs, so no layer ever waits for memory; the running requests' expected
+growth must fit next to them. If any rank lacks the pages, the switch is deferred with the reason
+and nothing changes. Pages only the source needed are freed after the step.
 
 ``KVMove`` records are broadcast to the ranks, which turn them into per-layer token transfers.
 """
@@ -41,17 +41,21 @@ class PlacementSwitch:
     dst: Layout
     moves: list[KVMove]
     retire: list[list[int]]
-    """[T] physical pages to free once the switching step is done."""
+    """[T] page references to drop once the switching step is done (a shared page once per sample)."""
     capacity: list[int]
     """[T] pages per rank in the destination layout (the page managers shrink to it after the step)."""
 
 
 def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout,
-                     capacity: list[int] | None = None, waiting: list[Request] = ()) -> PlacementSwitch | str:
+                     capacity: list[int] | None = None, waiting: list[Request] = (),
+                     promised: list[int] | None = None) -> PlacementSwitch | str:
     """Re-place every running history under ``dst``; a string (the reason) when it cannot be done.
 
     ``capacity``: pages per rank in ``dst`` (memory follows the layout: fewer when ``dst`` replicates
-    the projections). Pages at or above a shrinking capacity are relocated below it."""
+    the projections). Pages at or above a shrinking capacity are relocated below it. ``promised``:
+    [T] pages the running requests are expected to still take in ``dst`` (the scheduler's
+    estimate); they must fit next to the re-placed histories. A page several samples share (their
+    prompt) is placed, moved and freed once: every sample's table points at the same destination page."""
     t, ps = placement.world_size, placement.page_size
     src = placement.layout
     cap_src = [m.num_pages for m in placement.managers]
@@ -62,51 +66,47 @@ def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout
             return (f"request {req.request_id} ({req.max_total_tokens} tokens) could never be admitted in {dst} "
                     f"({min(cap)} pages per rank)")
     new_pages = [0] * t
-    reserve = [0] * t
-    per_request = []
+    planned: set[tuple[int, tuple[int, ...]]] = set()
     for req in running:
-        have = req.num_logical_pages
-        total = num_pages_for(req.max_total_tokens, ps)
-        stored = pages_on_each_rank(have, dst.ownership, req.owner, t)
-        kept = [sum(1 for p in range(have) if 0 <= req.rank_pages[r][p] < cap[r]
-                    and rank_of_page(p, dst.ownership, req.owner, t) in (-1, r)) for r in range(t)]
-        need_total = pages_on_each_rank(total, dst.ownership, req.owner, t)
-        for r in range(t):
-            new_pages[r] += stored[r] - kept[r]
-            reserve[r] += need_total[r] - stored[r]
-        per_request.append((req, need_total, stored))
+        for p in range(req.num_logical_pages):
+            key = tuple(table[p] for table in req.rank_pages)
+            where = rank_of_page(p, dst.ownership, req.owner, t)
+            for r in range(t):
+                if where in (-1, r) and not 0 <= key[r] < cap[r] and (r, key) not in planned:
+                    planned.add((r, key))
+                    new_pages[r] += 1
+    promised = promised or [0] * t
     for r, m in enumerate(placement.managers):
-        # the request's own source reservations come back before the destination's are taken
-        freed = sum(req.reserved_per_rank[r] for req in running)
         free = m.num_free + cap[r] - cap_src[r] if cap[r] >= cap_src[r] else m.free_below(cap[r])
-        room = free - (m.num_reserved - freed)
-        if new_pages[r] + reserve[r] > room:
-            return (f"rank {r} needs {new_pages[r]} new KV pages plus {reserve[r]} reserved for growth in "
-                    f"{dst} ({cap[r]} pages there), but has {room} free while the source pages are still held")
+        if new_pages[r] + promised[r] > free:
+            return (f"rank {r} needs {new_pages[r]} new KV pages plus {promised[r]} expected growth in "
+                    f"{dst} ({cap[r]} pages there), but has {free} free while the source pages are still held")
     for r, m in enumerate(placement.managers):
         if cap[r] >= cap_src[r]:
             m.resize(cap[r])  # sharded projections give memory back: more pages at once
         else:
             m.retire_above(cap[r])  # replicated ones take it: nothing new above the line
     moves, retire = [], [[] for _ in range(t)]
-    for req in running:  # every source reservation comes back first: the check above counted them all
-        for r in range(t):
-            placement.managers[r].release(req.reserved_per_rank[r])
-    for req, need_total, stored in per_request:
+    placed: dict[tuple[int, tuple[int, ...]], int] = {}
+    for req in running:
         src_pages = [list(x) for x in req.rank_pages]
         dst_pages = [[NOT_HERE] * req.num_logical_pages for _ in range(t)]
         for p in range(req.num_logical_pages):
+            key = tuple(table[p] for table in src_pages)
             where = rank_of_page(p, dst.ownership, req.owner, t)
             for r in range(t):
-                if where in (-1, r):
-                    old = src_pages[r][p]
-                    dst_pages[r][p] = old if 0 <= old < cap[r] else placement.managers[r].allocate(1)[0]
+                if where not in (-1, r):
+                    continue
+                if 0 <= key[r] < cap[r]:
+                    dst_pages[r][p] = key[r]  # kept in place
+                elif (r, key) in placed:
+                    dst_pages[r][p] = placed[(r, key)]  # another sample already placed this page
+                    placement.managers[r].share([dst_pages[r][p]])
+                else:
+                    dst_pages[r][p] = placed[(r, key)] = placement.managers[r].allocate(1)[0]
         for r in range(t):
-            keep = set(dst_pages[r])
-            retire[r] += [p for p in src_pages[r] if p != NOT_HERE and p not in keep]
-            placement.managers[r].reserve(need_total[r] - stored[r])
+            retire[r] += [p for p, q in zip(src_pages[r], dst_pages[r]) if p != NOT_HERE and p != q]
         req.rank_pages = dst_pages
-        req.reserved_per_rank = [need_total[r] - stored[r] for r in range(t)]
         moves.append(KVMove(req.request_id, req.owner, req.num_computed_tokens, src_pages,
                             [list(x) for x in dst_pages]))
     placement.layout = dst
@@ -117,6 +117,6 @@ def retire_source_pages(placement: KVPlacement, switch: PlacementSwitch) -> None
     """After the switching step: free the pages only the source layout needed, and shrink the page
     managers to the destination's capacity."""
     for r, pages in enumerate(switch.retire):
-        placement.managers[r].free(pages)
+        placement.managers[r].free(pages)  # one reference per entry: a shared page goes with its last
         if switch.capacity[r] < placement.managers[r].num_pages:
             placement.managers[r].resize(switch.capacity[r])

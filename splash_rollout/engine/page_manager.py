@@ -1,10 +1,10 @@
-"""PageManager: which physical KV pages are free, and who holds reservations on the rest.
+"""PageManager: which physical KV pages are free, and how many page tables hold each of the rest.
 
-The pool (``kv_pool.py``) owns the memory; this class owns only page ids. Admission reserves a
-request's worst-case page count up front (prompt + max_new_tokens), so a running request can never
-run out of pages mid-decode; its page table still grows one page at a time as tokens arrive, drawn
-against that reservation. Check-and-act pairs: ``can_allocate`` / ``allocate``,
-``can_reserve`` / ``reserve``.
+The pool (``kv_pool.py``) owns the memory; this class owns only page ids. A page is handed out with
+one reference (``allocate``); the samples of a prompt that share its KV add one each (``share``);
+``free`` drops one reference and the page returns to the free list when none is left. Admission
+does not reserve pages here: the scheduler decides how much growth to expect
+(``engine/admission.py``) and takes pages as tokens arrive.
 """
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ class PageManager:
         self.page_size = page_size
         # Pop from the end: low page ids are handed out first, which keeps test failures readable.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._in_use: set[int] = set()
-        self._reserved = 0
-        """Pages promised to admitted requests but not yet allocated."""
+        self._refs: dict[int, int] = {}
+        """page id -> page tables holding it (>= 1 while allocated)."""
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -35,49 +34,48 @@ class PageManager:
 
     @property
     def num_used(self) -> int:
-        return len(self._in_use)
+        """Distinct pages allocated (a shared page counts once)."""
+        return len(self._refs)
 
     @property
-    def num_reserved(self) -> int:
-        return self._reserved
+    def num_references(self) -> int:
+        """Page-table entries pointing at allocated pages (a page shared by n samples counts n)."""
+        return sum(self._refs.values())
 
-    @property
-    def num_available(self) -> int:
-        """Free pages nobody holds a reservation on."""
-        return len(self._free) - self._reserved
-
-    # ---- reservations (admission) ---------------------------------------------------------
-    def can_reserve(self, n: int) -> bool:
-        return 0 <= n <= self.num_available
-
-    def reserve(self, n: int) -> None:
-        if not self.can_reserve(n):
-            raise RuntimeError(f"reserve: {n} pages requested, {self.num_available} available")
-        self._reserved += n
-
-    def release(self, n: int) -> None:
-        """Give back an unused part of a reservation."""
-        if not 0 <= n <= self._reserved:
-            raise RuntimeError(f"release: {n} pages, only {self._reserved} reserved")
-        self._reserved -= n
+    def refs(self, page: int) -> int:
+        return self._refs.get(page, 0)
 
     # ---- pages -------------------------------------------------------------------------------
-    def can_allocate(self, n: int, reserved: bool = False) -> bool:
-        """Whether ``n`` pages can be handed out (from a reservation when ``reserved``)."""
-        if n < 0:
-            return False
-        return n <= (min(self._reserved, len(self._free)) if reserved else self.num_available)
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
 
-    def allocate(self, n: int, reserved: bool = False) -> list[int]:
-        """Hand out ``n`` page ids; with ``reserved`` the pages come out of a reservation."""
-        if not self.can_allocate(n, reserved):
-            raise RuntimeError(f"allocate: {n} pages requested, {self.num_available} available "
-                               f"({self._reserved} reserved)")
+    def allocate(self, n: int) -> list[int]:
+        """Hand out ``n`` page ids, one reference each."""
+        if not self.can_allocate(n):
+            raise RuntimeError(f"allocate: {n} pages requested, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
-        self._in_use.update(pages)
-        if reserved:
-            self._reserved -= n
+        for p in pages:
+            self._refs[p] = 1
         return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more page table holds each of ``pages``."""
+        for p in pages:
+            if p not in self._refs:
+                raise RuntimeError(f"share: page {p} is not allocated")
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference to each of ``pages``; a page nobody holds any more is free again."""
+        for p in pages:
+            n = self._refs.get(p)
+            if n is None:
+                raise RuntimeError(f"free: page {p} is not allocated")
+            if n == 1:
+                del self._refs[p]
+                self._free.append(p)
+            else:
+                self._refs[p] = n - 1
 
     # ---- capacity (memory follows the layout) ---------------------------------------------------
     def free_below(self, limit: int) -> int:
@@ -93,17 +91,8 @@ class PageManager:
         free (those ids are dropped)."""
         if num_pages < 1:
             raise ValueError(f"num_pages: expected >= 1, got {num_pages}")
-        busy = [p for p in self._in_use if p >= num_pages]
+        busy = [p for p in self._refs if p >= num_pages]
         if busy:
             raise RuntimeError(f"resize: pages {sorted(busy)[:5]} >= {num_pages} are still in use")
-        free = sorted(set(range(num_pages)) - self._in_use, reverse=True)
-        if self._reserved > len(free):
-            raise RuntimeError(f"resize: {self._reserved} pages reserved, only {len(free)} would be free")
-        self._free, self.num_pages = free, num_pages
-
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._in_use:
-                raise RuntimeError(f"free: page {p} is not allocated")
-            self._in_use.remove(p)
-            self._free.append(p)
+        self._free = sorted(set(range(num_pages)) - set(self._refs), reverse=True)
+        self.num_pages = num_pages

@@ -8,6 +8,7 @@ run (a prompt chunk, or the one token sampled last step).
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from splash_rollout.engine.page_manager import num_pages_for
@@ -56,8 +57,18 @@ class Request:
     """Owner rank (DP-attention / DOP store the history there); chosen at admission, never changed."""
     rank_pages: list[list[int]] = field(default_factory=list)
     """[T][num_logical_pages]: physical page of logical page i on each rank, -1 where not stored."""
-    reserved_per_rank: list[int] = field(default_factory=list)
-    """[T] pages still promised to this request on each rank (reserve-on-admit)."""
+    num_shared_pages: int = 0
+    """Leading logical pages whose physical pages other samples of the same prompt hold too."""
+    fork_of: "Request | None" = None
+    """While admitted but waiting for a sample of the same prompt (the leader) to finish prefilling
+    it: that leader. The follower then samples its first token from the leader's last prompt row and
+    takes the prompt's KV (shared pages) without computing it."""
+    forks: list["Request"] = field(default_factory=list)
+    """On a leader: the followers waiting for its prompt."""
+    admitted_at: int = -1
+    """Admission counter of the scheduler replica (retraction takes the youngest first)."""
+    num_retractions: int = 0
+    """Times its pages were taken back and it was queued again (its tokens kept)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     """None while it runs; then ``stop``, ``length``, ``abort`` or ``error`` (its logits were not finite)."""
@@ -110,8 +121,13 @@ class Request:
         return min(self.num_prompt_tokens + self.spec.max_new_tokens, self.max_len)
 
     def pages_needed(self, page_size: int) -> int:
-        """Worst-case page count (what admission reserves)."""
+        """Worst-case page count (the most it can ever hold)."""
         return num_pages_for(self.max_total_tokens, page_size)
+
+    @functools.cached_property
+    def prefix_key(self) -> tuple[int, ...]:
+        """What samples of the same prompt have in common (their KV for it is the same)."""
+        return tuple(self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -1,22 +1,37 @@
-"""Scheduler: admission, chunked prefill under a per-step token budget, continuous batching.
+"""Scheduler: admission, chunked prefill under a per-step token budget, continuous batching, and the
+memory rules that decide how many requests run -- prompt sharing and retraction.
 
 Each step spends at most ``max_num_batched_tokens`` query rows: running requests in decode go first
-(one row each), then running requests still in prefill continue their prompt, then waiting requests
-are admitted in arrival order while their pages fit. A long prompt spans several steps (chunked
-prefill); only the chunk that reaches the end of a request's known tokens samples a token.
-Admission reserves the request's worst-case pages (prompt + max_new_tokens, capped by the context)
-so a running request never stalls for memory; its page table grows against that reservation.
+(one row each), then running requests still in prefill continue, then waiting requests are
+admitted in arrival order while their expected pages fit. A long prompt spans several steps
+(chunked prefill); only the chunk that reaches the end of a request's known tokens samples.
+
+Memory, in three rules (every rank's replica applies them identically):
+
+* **Prompt sharing.** The samples of one prompt are admitted together with one owner: the first
+  (the leader) prefills the prompt, the others (its followers) wait, then sample their first token
+  from the leader's last prompt row and take the prompt's KV by reference (its partly filled last
+  page copied, ``KVPlacement.fork``). A sample of a prompt admitted while another sample of it is
+  live takes that sample's computed full prompt pages (``attach``) and computes only the rest.
+* **Expected growth.** Admission counts what each running request is expected to still need
+  (``engine/admission.py``), not its cap, so the wide phase runs as many requests as the pool holds.
+* **Retraction.** When a step cannot get the pages its rows need, the youngest running requests
+  give theirs back (tokens, logprobs and sampler draws kept) and wait at the queue head; re-admitted,
+  they prefill what they had and continue with the draws they would have made.
 """
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-from typing import Callable
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 
-from splash_rollout.engine.placement import KVPlacement
+from splash_rollout.engine.admission import AdmissionSettings, GrowthEstimate
+from splash_rollout.engine.page_manager import num_pages_for
+from splash_rollout.engine.placement import KVPlacement, PageCopy
 from splash_rollout.engine.request import Request, RequestStatus
+from splash_rollout.layout.layouts import Layout
 
 
 @dataclass
@@ -24,6 +39,8 @@ class ScheduledSeq:
     request: Request
     num_new: int
     """Query rows this step."""
+    forks: list[Request] = field(default_factory=list)
+    """Followers that sample their first token from this (prompt-completing) chunk's last row."""
 
     @property
     def start(self) -> int:
@@ -35,9 +52,40 @@ class ScheduledSeq:
         return self.start + self.num_new == self.request.num_tokens
 
 
+class RequestQueue:
+    """Waiting requests in order; O(1) removal anywhere (a follower leaves with its leader) and at the
+    head (a retracted request goes back in front)."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[Request, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
+
+    def head(self) -> Request:
+        return next(iter(self._items))
+
+    def append(self, req: Request) -> None:
+        self._items[req] = None
+
+    def appendleft(self, req: Request) -> None:
+        self._items[req] = None
+        self._items.move_to_end(req, last=False)
+
+    def remove(self, req: Request) -> None:
+        del self._items[req]
+
+
 class Scheduler:
     def __init__(self, placement: KVPlacement, max_num_batched_tokens: int, max_num_seqs: int = 256,
-                 ever_admits: Callable[[Request], bool] | None = None) -> None:
+                 ever_admits: Callable[[Request], bool] | None = None,
+                 admission: AdmissionSettings = AdmissionSettings(), prefix_sharing: bool = True) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -45,11 +93,24 @@ class Scheduler:
         self.placement = placement
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
+        """Admission order (the youngest last)."""
         self.ever_admits = ever_admits
         """Whether a request can ever run; default: in the current layout's empty pools. An engine
         that may switch layouts (``auto``) accepts what any reachable layout holds."""
+        self.estimate = GrowthEstimate(admission)
+        self.prefix_sharing = prefix_sharing
+        self._waiting_by_prompt: dict[tuple[int, ...], OrderedDict[Request, None]] = {}
+        self._live_by_prompt: dict[tuple[int, ...], list[Request]] = {}
+        """Running samples whose page tables hold their prompt's KV (what a late sample attaches to)."""
+        self._admissions = 0
+        self.copies: list[PageCopy] = []
+        """This step's copy-on-write page copies (run after the step's forward wrote the source)."""
+        self.retracted: list[Request] = []
+        """Requests this step's schedule retracted (their device page-table rows must go)."""
+        self.prefix_hit_tokens = 0
+        """Tokens of KV this step's admissions and forks took from a sample of the same prompt."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -65,68 +126,242 @@ class Scheduler:
             raise ValueError(f"num_pages: request {request.request_id} needs "
                              f"{request.pages_needed(self.placement.page_size)} pages, more than the "
                              f"{self.placement.layout} pools hold ({[m.num_pages for m in self.placement.managers]})")
+        self._queue(request)
+
+    def _queue(self, request: Request, front: bool = False) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        (self.waiting.appendleft if front else self.waiting.append)(request)
+        if self.prefix_sharing:
+            self._waiting_by_prompt.setdefault(request.prefix_key, OrderedDict())[request] = None
+
+    def _unqueue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        if self.prefix_sharing:
+            same = self._waiting_by_prompt[request.prefix_key]
+            del same[request]
+            if not same:
+                del self._waiting_by_prompt[request.prefix_key]
+
+    # ---- expected growth ---------------------------------------------------------------------
+    def expected_total(self, req: Request) -> int:
+        """Tokens ``req`` is expected to reach (its cap under worst-case admission)."""
+        return self.estimate.expected_total(req.num_tokens, req.max_total_tokens)
+
+    def _expected_pages(self, req: Request, have_pages: int, layout: Layout | None = None) -> list[int]:
+        """[T] pages each rank is expected to still hand out to ``req`` beyond its first ``have_pages``
+        (in ``layout``, by default the current one)."""
+        want = max(have_pages, num_pages_for(self.expected_total(req), self.placement.page_size))
+        after = self.placement.on_each_rank(want, req.owner, layout)
+        before = self.placement.on_each_rank(have_pages, req.owner, layout)
+        return [a - b for a, b in zip(after, before)]
+
+    def pages_promised(self, layout: Layout | None = None) -> list[int]:
+        """[T] pages the running requests are expected to still take on each rank (in ``layout``, by
+        default the current one); a follower's prompt pages are its leader's."""
+        total = [0] * self.placement.world_size
+        ps = self.placement.page_size
+        for req in self.running:
+            have = req.num_prompt_tokens // ps if req.fork_of is not None else req.num_logical_pages
+            total = [a + b for a, b in zip(total, self._expected_pages(req, have, layout))]
+        return total
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
+        self.copies, self.retracted, self.prefix_hit_tokens = [], [], 0
+        self.estimate.stepped()
         budget = self.max_num_batched_tokens
-        out: list[ScheduledSeq] = []
-        decoding = [r for r in self.running if not r.in_prefill]
-        prefilling = [r for r in self.running if r.in_prefill]
+        plan: list[tuple[Request, int]] = []
+        decoding = [r for r in self.running if r.fork_of is None and not r.in_prefill]
+        prefilling = [r for r in self.running if r.fork_of is None and r.in_prefill]
         for req in decoding + prefilling:
             if budget == 0:
                 break
             n = min(req.num_uncomputed_tokens, budget)
-            out.append(self._take(req, n))
+            plan.append((req, n))
             budget -= n
+        plan = self._fit(plan)
+        budget = self.max_num_batched_tokens - sum(n for _, n in plan)
+        out = [self._take(req, n) for req, n in plan]
+        room = [f - p for f, p in zip(self.placement.pages_free, self.pages_promised())]
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if not self.placement.can_admit(req):
+            if self.retracted and self.waiting.head() in self.retracted:
+                break  # what this step just gave back is not taken again in the same step
+            seq = self._admit(self.waiting.head(), room, budget)
+            if seq is None:
                 break  # FIFO: later requests wait behind the head so long prompts are not starved
-            self.waiting.popleft()
-            self.placement.admit(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            n = min(req.num_uncomputed_tokens, budget)
-            out.append(self._take(req, n))
-            budget -= n
+            out.append(seq)
+            budget -= seq.num_new
         return out
 
+    def _step_need(self, plan: list[tuple[Request, int]]) -> list[int]:
+        """[T] pages this step's rows need (growth, and the followers' copies of a last prompt page)."""
+        p = self.placement
+        need = [0] * p.world_size
+        for req, n in plan:
+            need = [a + b for a, b in zip(need, p.growth(req, req.num_computed_tokens + n))]
+            if req.forks and req.num_computed_tokens + n == req.num_tokens and req.num_prompt_tokens % p.page_size:
+                copy = [a - b for a, b in zip(p.on_each_rank(req.num_prompt_tokens // p.page_size + 1, req.owner),
+                                              p.on_each_rank(req.num_prompt_tokens // p.page_size, req.owner))]
+                need = [a + len(req.forks) * c for a, c in zip(need, copy)]
+        return need
+
+    def _fit(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Retract the youngest running requests until this step's pages are free on every rank."""
+        while True:
+            need = self._step_need(plan)
+            if all(n <= f for n, f in zip(need, self.placement.pages_free)):
+                return plan
+            victims = [r for r in self.running if r.fork_of is None]
+            if len(victims) <= 1:
+                raise RuntimeError(f"schedule: the step needs {need} KV pages per rank, "
+                                   f"{self.placement.pages_free} are free and nothing is left to retract")
+            victim = max(victims, key=lambda r: r.admitted_at)
+            gone = {victim, *victim.forks}
+            self._retract(victim)
+            plan = [(r, n) for r, n in plan if r not in gone]
+
+    def _retract(self, req: Request) -> None:
+        """Take the request's pages back; it keeps its tokens and waits at the queue head."""
+        for f in reversed(req.forks):  # followers that never started go back behind their leader
+            self._drop_running(f)
+            f.fork_of = None
+            self._queue(f, front=True)
+        req.forks = []
+        self._drop_running(req)
+        req.num_computed_tokens = 0
+        req.num_retractions += 1
+        self._queue(req, front=True)
+        self.retracted.append(req)
+        self.estimate.retracted()
+
+    def _drop_running(self, req: Request) -> None:
+        self.placement.release(req)
+        self.running.remove(req)
+        if self.prefix_sharing and req.fork_of is None:
+            live = self._live_by_prompt.get(req.prefix_key, [])
+            if req in live:
+                live.remove(req)
+                if not live:
+                    del self._live_by_prompt[req.prefix_key]
+
+    def _make_live(self, req: Request) -> None:
+        if self.prefix_sharing:
+            self._live_by_prompt.setdefault(req.prefix_key, []).append(req)
+
     def _take(self, req: Request, n: int) -> ScheduledSeq:
-        """Grow the page tables so positions [0, computed + n) have pages."""
+        """Grow the page tables so positions [0, computed + n) have pages; a chunk that completes a
+        leader's prompt forks its followers."""
         self.placement.grow(req, req.num_computed_tokens + n)
-        return ScheduledSeq(req, n)
+        seq = ScheduledSeq(req, n)
+        if req.forks and req.num_computed_tokens + n == req.num_tokens:
+            for f in req.forks:
+                self.copies += self.placement.fork(req, f, req.num_prompt_tokens)
+                f.fork_of = None
+                self._make_live(f)
+                self.prefix_hit_tokens += req.num_prompt_tokens
+            seq.forks, req.forks = req.forks, []
+        return seq
+
+    def _admit(self, req: Request, room: list[int], budget: int) -> ScheduledSeq | None:
+        """Admit the queue head (and the fresh samples of its prompt) if their expected pages fit
+        ``room`` (updated in place); None leaves it waiting."""
+        p, ps = self.placement, self.placement.page_size
+        prefix, shared = self._prefix_for(req)
+        owners = [prefix.owner] if prefix is not None else p.owners_by_balance()
+        for owner in owners:
+            req.owner = owner
+            need = self._expected_pages(req, shared)
+            if all(n <= r for n, r in zip(need, room)):
+                break
+        else:
+            return None
+        self._unqueue(req)
+        self._start(req, owner, prefix, shared)
+        room[:] = [r - n for r, n in zip(room, need)]
+        if shared:
+            req.num_computed_tokens = shared * ps
+            self.prefix_hit_tokens += shared * ps
+        elif self.prefix_sharing and req.num_output_tokens == 0:
+            self._take_followers(req, room)
+        self._make_live(req)
+        return self._take(req, min(req.num_uncomputed_tokens, budget))
+
+    def _start(self, req: Request, owner: int, prefix: Request | None = None, shared: int = 0) -> None:
+        self.placement.start(req, owner, prefix, shared)
+        req.status = RequestStatus.RUNNING
+        req.admitted_at = self._admissions
+        self._admissions += 1
+        self.running.append(req)
+
+    def _prefix_for(self, req: Request) -> tuple[Request | None, int]:
+        """A live sample of the same prompt and how many of its full prompt pages ``req`` can take
+        (at least one position is left to compute: its last row gives ``req`` its next token)."""
+        if not self.prefix_sharing:
+            return None, 0
+        ps = self.placement.page_size
+        best, most = None, 0
+        for m in self._live_by_prompt.get(req.prefix_key, []):
+            n = min(req.num_prompt_tokens // ps, m.num_computed_tokens // ps, (req.num_tokens - 1) // ps)
+            if n > most:
+                best, most = m, n
+        return best, most
+
+    def _take_followers(self, leader: Request, room: list[int]) -> None:
+        """Admit the waiting samples of the leader's prompt that have not started, while they fit."""
+        same = self._waiting_by_prompt.get(leader.prefix_key)
+        shared = leader.num_prompt_tokens // self.placement.page_size
+        for f in list(same or ()):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if f.num_output_tokens:  # a retracted sample: it prefills what it had, then attaches
+                continue
+            f.owner = leader.owner
+            need = self._expected_pages(f, shared)
+            if not all(n <= r for n, r in zip(need, room)):
+                break
+            self._unqueue(f)
+            self._start(f, leader.owner)
+            f.fork_of = leader
+            leader.forks.append(f)
+            room[:] = [r - n for r, n in zip(room, need)]
 
     # ---- postprocess -------------------------------------------------------------------------
     def postprocess(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor,
                     logprobs: torch.Tensor) -> list[Request]:
-        """tokens / logprobs: [R] for the scheduled seqs that sample, in order. Returns the finished."""
+        """tokens / logprobs: [R] for the scheduled seqs that sample and their forks, in order.
+        Returns the finished."""
         finished = []
         k = 0
         for s in scheduled:
             samples = s.samples
             s.request.num_computed_tokens += s.num_new
-            if samples:
-                s.request.append_token(int(tokens[k]), float(logprobs[k]))
+            if not samples:
+                continue
+            for req in (s.request, *s.forks):
+                req.num_computed_tokens = s.request.num_computed_tokens
+                req.append_token(int(tokens[k]), float(logprobs[k]))
                 k += 1
-                if s.request.finish_reason is not None:
-                    self.finish(s.request, s.request.finish_reason)
-                    finished.append(s.request)
+                if req.finish_reason is not None:
+                    self.finish(req, req.finish_reason)
+                    finished.append(req)
         return finished
 
     def finish(self, req: Request, reason: str) -> None:
-        """Retire a request: give back its pages and what is left of its reservations."""
-        self.placement.release(req)
+        """Retire a request: drop its page references."""
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            for f in list(req.forks):
+                self.finish(f, reason)
+            req.forks = []
+            self._drop_running(req)
         else:
-            self.waiting.remove(req)
+            self._unqueue(req)
+        req.fork_of = None
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
 
     def abort_all(self) -> list[Request]:
         aborted = list(self.running) + list(self.waiting)
         for req in aborted:
-            self.finish(req, "abort")
+            if not req.is_finished:
+                self.finish(req, "abort")
         return aborted

@@ -46,10 +46,13 @@ class TokenRoutes:
 
 def token_routes(moves: list[KVMove], rank: int, world_size: int, page_size: int) -> TokenRoutes:
     """Every token whose destination copy lives on a rank that did not store it comes from its
-    (unique) source holder; all ranks derive the same order from the same moves."""
+    (unique) source holder, once per destination page; all ranks derive the same order from the
+    same moves."""
     send = [[] for _ in range(world_size)]
     recv = [[] for _ in range(world_size)]
     anyone = False
+    filled: set[tuple[int, int]] = set()
+    """(rank, destination page) already routed: a page several samples share moves once."""
     for m in moves:
         for p in range(len(m.dst_pages[0])):
             holders = [q for q in range(world_size) if m.src_pages[q][p] != NOT_HERE]
@@ -57,8 +60,9 @@ def token_routes(moves: list[KVMove], rank: int, world_size: int, page_size: int
                 continue
             tokens = range(p * page_size, min((p + 1) * page_size, m.num_tokens))
             for r in range(world_size):
-                if m.dst_pages[r][p] in (NOT_HERE, m.src_pages[r][p]):
-                    continue  # r does not need it, or keeps it in place
+                if m.dst_pages[r][p] in (NOT_HERE, m.src_pages[r][p]) or (r, m.dst_pages[r][p]) in filled:
+                    continue  # r does not need it, keeps it in place, or gets it with another sample
+                filled.add((r, m.dst_pages[r][p]))
                 # r's own copy when it is being relocated below a shrinking capacity, else the holder
                 q = r if m.src_pages[r][p] != NOT_HERE else holders[0]
                 anyone = True

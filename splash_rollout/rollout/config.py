@@ -65,6 +65,13 @@ class EngineConfig:
     padding, chunking or layout, and equals a trainer's (same process, same mode) to float32
     rounding; costs float64 matmul speed. Process-wide while the engine lives (models/numerics.py),
     set on every rank and in the calling process."""
+    admission: str = "optimistic"
+    """``optimistic``: admit on each request's expected growth (a ratio of its remaining cap that decays
+    while memory holds, engine/admission.py) and, when a step runs out of KV pages, retract the
+    youngest requests (tokens kept; they re-prefill later and continue exactly). ``worst_case``:
+    every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
+    prefix_sharing: bool = True
+    """The samples of a prompt (``n`` > 1) share its KV pages and prefill it once."""
     flush_denormal: bool = True
     """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
     of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below
@@ -100,6 +107,10 @@ class EngineConfig:
 
         if self.attention_backend not in available_backends():
             raise ValueError(f"attention_backend: expected one of {available_backends()}, got {self.attention_backend!r}")
+        from splash_rollout.engine.admission import ADMISSION_MODES
+
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.numerics not in NUMERICS_MODES:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         for step, name in (self.switch_schedule or {}).items():

@@ -22,6 +22,7 @@ import torch
 
 from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
+from splash_rollout.engine.admission import AdmissionSettings
 from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
@@ -167,7 +168,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                           attention_backend=config.attention_backend, dtype=dtype, device=rank_device(config, 0),
                           pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
-                          reachable_layouts=tuple(Layout) if auto and world_size > 1 else ())
+                          reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
+                          admission=AdmissionSettings(mode=config.admission), prefix_sharing=config.prefix_sharing)
 
 
 def rank_device(config, rank: int) -> str:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from splash_rollout.engine.admission import AdmissionSettings
 from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
+from splash_rollout.engine.scheduler import Scheduler
 from splash_rollout.layout import Layout
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
@@ -82,11 +84,13 @@ def memory_report(ctx, model: str, layout: str, budget_bytes: int):
         long = [Request(i, [5] * 500, SamplingSpec(max_new_tokens=200, seed=i), cfg.max_position_embeddings)
                 for i in range(64)]
         placement = engine.scheduler.placement
-        admitted = [r for r in long if placement.can_admit(r) and placement.admit(r) is None]
-        report["admitted"] = len(admitted)
+        held = Scheduler(placement, 10**6, 10**6, admission=AdmissionSettings(mode="worst_case"), prefix_sharing=False)
+        for r in long:
+            held.add(r)
+        held.schedule()  # one step's admissions, each holding its whole cap
+        report["admitted"] = len(held.running)
         report["pool_tokens_by_rank"] = [m.num_pages * PAGE_SIZE for m in placement.managers]
-        for r in admitted:
-            placement.release(r)
+        held.abort_all()
     return report
 
 

@@ -46,7 +46,7 @@ def page_stats(ctx) -> dict:
         placement = engine.scheduler.placement
         out.update(layout=engine.layout.value, unfinished=engine.scheduler.has_unfinished,
                    pages=[m.num_pages for m in placement.managers], free=[m.num_free for m in placement.managers],
-                   used=placement.pages_in_use, reserved=placement.pages_reserved,
+                   used=placement.pages_in_use, references=[m.num_references for m in placement.managers],
                    projected=list(placement.projected_tokens), pending_switch=engine.driver.pending)
     return out
 
@@ -62,7 +62,7 @@ def assert_nothing_held(engine: RolloutEngine) -> dict:
     stats = engine.worker_group.run(page_stats)
     s = stats[0]
     assert not s["unfinished"]
-    assert s["used"] == [0, 0] and s["reserved"] == [0, 0] and s["projected"] == [0, 0], s
+    assert s["used"] == [0, 0] and s["references"] == [0, 0] and s["projected"] == [0, 0], s
     assert s["free"] == s["pages"], s
     assert [r["pool_pages"] for r in stats] == s["pages"], (stats, "a rank's pool disagrees with the driver")
     return s

@@ -1,4 +1,4 @@
-"""PageManager: allocate / free / reserve bookkeeping never leaks or double-hands a page."""
+"""PageManager: allocate / share / free bookkeeping never leaks or double-hands a page."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -26,19 +26,20 @@ def test_allocate_free_roundtrip():
     assert pm.num_free == 8 and pm.num_used == 0
 
 
-def test_reservations_gate_unreserved_allocation():
-    pm = PageManager(10, 4)
-    assert pm.can_reserve(6)
-    pm.reserve(6)
-    assert pm.num_available == 4
-    assert not pm.can_allocate(5) and pm.can_allocate(4)
-    assert pm.can_allocate(6, reserved=True)
-    pages = pm.allocate(2, reserved=True)
-    assert pm.num_reserved == 4 and pm.num_available == 4
-    assert not pm.can_reserve(5)
-    pm.release(4)
-    pm.free(pages)
-    assert pm.num_available == 10 and pm.num_reserved == 0
+def test_shared_pages_return_when_the_last_reference_drops():
+    pm = PageManager(4, 4)
+    prompt = pm.allocate(2)
+    pm.share(prompt)
+    pm.share(prompt[:1])
+    assert pm.num_used == 2 and pm.num_references == 5 and pm.num_free == 2
+    pm.free(prompt)
+    assert pm.num_used == 2 and pm.refs(prompt[0]) == 2 and pm.refs(prompt[1]) == 1
+    pm.free(prompt)
+    assert pm.num_used == 1 and pm.num_free == 3
+    pm.free(prompt[:1])
+    assert pm.num_used == 0 and pm.num_free == 4
+    with pytest.raises(RuntimeError, match="not allocated"):
+        pm.share(prompt[:1])
 
 
 def test_bad_sizes():

@@ -6,7 +6,17 @@ from splash_rollout.engine.forward_batch import ForwardBatch, current_batch, for
 from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.layout import Layout
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.engine.scheduler import Scheduler
+from splash_rollout.engine.admission import AdmissionSettings
+from splash_rollout.engine.scheduler import Scheduler as _Scheduler
+
+WORST_CASE = AdmissionSettings(mode="worst_case")
+
+
+def Scheduler(placement, *args, **kw):
+    """The rules these tests pin down: worst-case admission, no prompt sharing."""
+    kw.setdefault("admission", WORST_CASE)
+    kw.setdefault("prefix_sharing", False)
+    return _Scheduler(placement, *args, **kw)
 
 
 def _req(rid, prompt_len, max_new=4, max_len=1000, **kw):
@@ -35,7 +45,7 @@ def test_chunked_prefill_and_only_last_chunk_samples():
     assert steps[:3] == [[(0, 0, 5, False)], [(0, 5, 5, False)], [(0, 10, 2, True)]]
     assert steps[3:] == [[(0, 12, 1, True)], [(0, 13, 1, True)]]
     assert r.output_ids == [7, 7, 7] and r.finish_reason == "length"
-    assert pm.managers[0].num_free == 64 and pm.managers[0].num_reserved == 0
+    assert pm.managers[0].num_free == 64
 
 
 def test_decode_rows_go_first_and_budget_mixes():
@@ -59,11 +69,11 @@ def test_admission_waits_for_pages_and_pages_return():
         sched.add(r)
     first = sched.schedule()
     assert [x.request.request_id for x in first] == [0, 1] and len(sched.waiting) == 1
-    assert pm.managers[0].num_reserved + pm.managers[0].num_used == 6
+    assert sched.pages_promised()[0] + pm.managers[0].num_used == 6
     sched.postprocess(first, torch.tensor([7, 7]), torch.zeros(2))
     _drive(sched)
     assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in reqs)
-    assert pm.managers[0].num_free == 6 and pm.managers[0].num_reserved == 0
+    assert pm.managers[0].num_free == 6
 
 
 def test_page_table_grows_during_decode():
@@ -105,7 +115,7 @@ def test_too_big_for_pool_and_abort():
     sched.add(r)
     sched.schedule()
     assert sched.abort_all() == [r] and r.finish_reason == "abort"
-    assert pm.managers[0].num_free == 2 and pm.managers[0].num_reserved == 0
+    assert pm.managers[0].num_free == 2
 
 
 def test_forward_batch_build_and_context_refuses_nesting():
@@ -148,11 +158,11 @@ def test_random_workloads_drain_within_budget(reqs, budget, page_size, num_pages
             assert x.start == computed[x.request.request_id]  # contiguous progress, no token twice
             assert len(x.request.pages) * page_size >= x.start + x.num_new
             computed[x.request.request_id] += x.num_new
-        assert pm.managers[0].num_used + pm.managers[0].num_reserved <= num_pages
+        assert pm.managers[0].num_used + sched.pages_promised()[0] <= num_pages
         r = sum(x.samples for x in s)
         sched.postprocess(s, torch.full((r,), 7), torch.zeros(r))
     assert all(len(r.output_ids) == r.spec.max_new_tokens for r in admitted)
-    assert pm.managers[0].num_free == num_pages and pm.managers[0].num_reserved == 0
+    assert pm.managers[0].num_free == num_pages
 
 
 def test_kv_routes_make_every_rank_join_when_any_rank_moves_tokens():
