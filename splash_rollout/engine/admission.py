@@ -10,7 +10,9 @@ admission expects each request to produce ``ratio`` of the tokens it may still p
 ``ratio`` starts at ``init_ratio`` and decays by ``(init_ratio - min_ratio) / decay_steps`` per step
 towards ``min_ratio`` while memory holds; a step that has to retract requests (free their pages,
 keep their tokens, queue them again) raises it by ``retract_bump`` (at most 1), so admission backs
-off after pressure. ``worst_case`` is the same rule with ``ratio`` fixed at 1.
+off after pressure; it starts afresh with every batch that arrives at an idle engine (a new rollout
+step: its own lengths, and a resumed run admits exactly like an uninterrupted one). ``worst_case``
+is the same rule with ``ratio`` fixed at 1.
 Every rank's scheduler replica runs the same estimate, so they admit the same requests.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ class GrowthEstimate:
 
     def __init__(self, settings: AdmissionSettings = AdmissionSettings()) -> None:
         self.settings = settings
-        self.ratio = 1.0 if settings.mode == "worst_case" else settings.init_ratio
+        self.reset()
 
     @property
     def optimistic(self) -> bool:
@@ -59,6 +61,10 @@ class GrowthEstimate:
         """Tokens a request holding ``num_tokens`` is expected to reach (at least one more while it runs)."""
         left = max(0, max_total_tokens - num_tokens)
         return min(max_total_tokens, num_tokens + max(1, math.ceil(self.ratio * left))) if left else num_tokens
+
+    def reset(self) -> None:
+        """A new batch of requests: its own length distribution, learned afresh."""
+        self.ratio = 1.0 if self.settings.mode == "worst_case" else self.settings.init_ratio
 
     def stepped(self) -> None:
         s = self.settings

@@ -219,6 +219,8 @@ class Engine:
             raise
 
     def _serve(self, requests: list[Request], max_steps: int | None, on_step) -> list[Request] | None:
+        if requests and not self.scheduler.has_unfinished:
+            self.scheduler.estimate.reset()
         for req in requests:
             self.scheduler.add(req)
         self.driver.new_call()
@@ -303,7 +305,8 @@ class Engine:
         batch = self._batch(scheduled)
         batch_s = lap()
         logits = self._forward(batch, order)
-        self.state.pool.copy_pages(*self._copies_here())
+        with torch.inference_mode():  # the pool's tensors are inference tensors after a switch resized them
+            self.state.pool.copy_pages(*self._copies_here())
         forward_s = lap()
         step = _Step(scheduled, batch.num_tokens)
         if self.rank == 0:
@@ -383,7 +386,7 @@ class Engine:
         result = switch_placement(self.scheduler.placement, running, dst, capacity, list(self.scheduler.waiting),
                                   self.scheduler.pages_promised(dst))
         record = {"src": self.layout.value, "dst": dst.value, "step": self.num_steps, "blocking": blocking,
-                  "deferred_reason": None}
+                  "deferred_reason": None, "cause": self.driver.pending_cause}
         if isinstance(result, str):  # serving goes on in the source; the driver retries next boundary
             record["deferred_reason"] = result
             last = self.switch_log[-1] if self.switch_log else {}

@@ -169,17 +169,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         self.copies, self.retracted, self.prefix_hit_tokens = [], [], 0
         self.estimate.stepped()
-        budget = self.max_num_batched_tokens
-        plan: list[tuple[Request, int]] = []
-        decoding = [r for r in self.running if r.fork_of is None and not r.in_prefill]
-        prefilling = [r for r in self.running if r.fork_of is None and r.in_prefill]
-        for req in decoding + prefilling:
-            if budget == 0:
-                break
-            n = min(req.num_uncomputed_tokens, budget)
-            plan.append((req, n))
-            budget -= n
-        plan = self._fit(plan)
+        plan = self._fit(self._running_rows())
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
         out = [self._take(req, n) for req, n in plan]
         room = [f - p for f, p in zip(self.placement.pages_free, self.pages_promised())]
@@ -192,6 +182,41 @@ class Scheduler:
             out.append(seq)
             budget -= seq.num_new
         return out
+
+    def _running_rows(self) -> list[tuple[Request, int]]:
+        """The running requests' rows this step: decode first, then prefill chunks, within the budget."""
+        budget = self.max_num_batched_tokens
+        plan: list[tuple[Request, int]] = []
+        decoding = [r for r in self.running if r.fork_of is None and not r.in_prefill]
+        prefilling = [r for r in self.running if r.fork_of is None and r.in_prefill]
+        for req in decoding + prefilling:
+            if budget == 0:
+                break
+            n = min(req.num_uncomputed_tokens, budget)
+            plan.append((req, n))
+            budget -= n
+        return plan
+
+    def pressure(self) -> tuple[list[int], list[Request]]:
+        """Before a step, without changing anything: [T] pages the running requests' rows would lack on
+        each rank, and the requests ``schedule`` would retract for them (youngest first; estimated
+        from the pages only they hold). ([0] * T, []) when the step fits."""
+        plan = self._running_rows()
+        need = self._step_need(plan)
+        free = self.placement.pages_free
+        short = [max(0, n - f) for n, f in zip(need, free)]
+        if not any(short):
+            return short, []
+        victims = []
+        for v in sorted((r for r in self.running if r.fork_of is None), key=lambda r: -r.admitted_at)[:-1]:
+            victims.append(v)
+            for rank, table in enumerate(v.rank_pages):
+                m = self.placement.managers[rank]
+                free[rank] += sum(1 for p in table if p >= 0 and m.refs(p) == 1)
+            need = self._step_need([(r, n) for r, n in plan if r not in victims])
+            if all(n <= f for n, f in zip(need, free)):
+                break
+        return short, victims
 
     def _step_need(self, plan: list[tuple[Request, int]]) -> list[int]:
         """[T] pages this step's rows need (growth, and the followers' copies of a last prompt page)."""

@@ -36,8 +36,9 @@ def _total_bytes(value: Any) -> float:
 
 def layout_metrics(timeline: dict[str, Any]) -> dict[str, float]:
     """``layout/time_share/<layout>`` (fraction of the call's time per layout), ``layout/switches``
-    (done), ``layout/deferred_switches``, ``layout/switch_overhead_ms`` (exposed, summed) and
-    ``layout/switch_bytes`` (received, summed over switches and ranks)."""
+    (done), ``layout/deferred_switches``, ``layout/switch_overhead_ms`` (exposed, summed),
+    ``layout/switch_bytes`` (received, summed over switches and ranks) and ``layout/pressure_switches``
+    (switches the policy made to relieve KV memory pressure)."""
     phases, switches = timeline.get("phases", []), timeline.get("switches", [])
     spans: dict[str, float] = {}
     for p in phases:
@@ -49,6 +50,7 @@ def layout_metrics(timeline: dict[str, Any]) -> dict[str, float]:
     out["layout/deferred_switches"] = float(len(switches) - len(done))
     out["layout/switch_overhead_ms"] = float(sum(_switch_overhead_ms(s) for s in done))
     out["layout/switch_bytes"] = float(sum(_total_bytes(s.get("bytes_received")) for s in done))
+    out["layout/pressure_switches"] = float(sum(s.get("cause") == "pressure" for s in done))
     return out
 
 
@@ -72,14 +74,16 @@ def write_timeline_json(path: str, timelines: Sequence[tuple[int, dict[str, Any]
 
 def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) -> str:
     """Layouts as coloured bands over rollout time (calls laid end to end), batch size (left axis) and
-    tokens/s (right axis) per phase, switches as dashed lines. Writes a PNG; returns ``path``."""
+    tokens/s (right axis) per phase, switches as dashed lines (red: to relieve memory pressure); below,
+    on the same bands, the busiest rank's KV pool in use and in use plus expected growth. Writes a
+    PNG; returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(11, 4))
+    fig, (ax, mem) = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     ax2 = ax.twinx()
     offset, seen = 0.0, {}
     for step, t in timelines:
@@ -88,22 +92,35 @@ def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) ->
             x0, x1 = offset + p["t_start"], offset + p["t_end"]
             color = LAYOUT_COLORS.get(p["layout"], "#999999")
             ax.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
+            mem.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
             seen[p["layout"]] = color
+            if p.get("memory_curve"):
+                xs = [offset + c[0] for c in p["memory_curve"]]
+                mem.plot(xs, [c[1] for c in p["memory_curve"]], color="black", lw=1.2)
+                mem.plot(xs, [c[2] for c in p["memory_curve"]], color="black", lw=0.8, ls=":")
             b0, b1 = _batch_sizes(p)
             curve = p.get("batch_curve") or [[p["t_start"], b0], [p["t_end"], b1]]
             ax.plot([offset + c[0] for c in curve], [c[1] for c in curve], color="black", lw=1.2)
             dt = p["t_end"] - p["t_start"]
             ax2.plot([x0, x1], [p.get("tokens", 0) / dt if dt > 0 else 0.0] * 2, color="tab:orange", lw=1.2)
-        switch_times = [offset + s["t"] for s in t.get("switches", []) if "t" in s]
-        if not switch_times:  # switches without a time: the boundaries between phases
-            switch_times = [offset + p["t_start"] for p in phases[1:]]
-        for x in switch_times:
-            ax.axvline(x, color="gray", ls="--", lw=0.8)
+        done = [s for s in t.get("switches", []) if s.get("deferred_reason") is None]
+        causes = [s.get("cause") for s in done]
+        switch_times = [offset + p["t_start"] for p in phases[1:]]  # a switch starts the next phase
+        for i, x in enumerate(switch_times):
+            pressure = i < len(causes) and causes[i] == "pressure"
+            for a in (ax, mem):
+                a.axvline(x, color="tab:red" if pressure else "gray", ls="--", lw=1.0 if pressure else 0.8)
         end = max((p["t_end"] for p in phases), default=0.0)
         ax.axvline(offset, color="black", lw=0.5, alpha=0.5)
         ax.text(offset, 1.0, f" {step}", transform=ax.get_xaxis_transform(), va="top", fontsize=7)
         offset += end
-    ax.set_xlabel("rollout time (s; RL steps laid end to end)")
+    mem.set_xlabel("rollout time (s; RL steps laid end to end)")
+    mem.set_ylabel("KV pool used")
+    mem.set_ylim(0, 1.05)
+    mem.legend(handles=[plt.Line2D([], [], color="black", label="in use"),
+                        plt.Line2D([], [], color="black", ls=":", label="+ expected growth"),
+                        plt.Line2D([], [], color="tab:red", ls="--", label="pressure switch")],
+               loc="upper right", fontsize=7)
     ax.set_ylabel("running requests (batch size)")
     ax2.set_ylabel("tokens / s (query rows)", color="tab:orange")
     handles = [Patch(color=c, alpha=0.4, label=k) for k, c in seen.items()]

@@ -25,7 +25,7 @@ from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost,
                                           worker_memory_stats, worker_request_switch, worker_serve, worker_sleep,
                                           worker_update_weights, worker_wake_up)
 from splash_rollout.rollout.progress import progress_enabled
-from splash_rollout.rollout.timeline import build_timeline, layout_metrics
+from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics
 from splash_rollout.rollout.validation import (agree_across_ranks, check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams
@@ -154,6 +154,7 @@ class RolloutEngine:
                    "perf/control_bytes_max": float(max(control)), "perf/control_bytes_mean": float(np.mean(control)),
                    "timing_s/generate": elapsed}
         metrics.update(layout_metrics(timeline))
+        metrics.update(memory_metrics(steps))
         return RolloutBatch(out, timeline, metrics)
 
     def switch_layout(self, dst: str, blocking: bool = False) -> None:

@@ -4,7 +4,10 @@ A phase is a run of consecutive steps in one layout: ``layout``, ``t_start`` / `
 from the start of the call), ``steps``, ``batch_size_start`` / ``batch_size_end`` (running requests),
 ``tokens`` (query rows processed), ``batch_curve`` ([t, running] pairs: the phase's start, every step
 where the batch has moved by a fifth since the last pair -- drained, or refilled from the queue --
-and its end: the drain's shape in O(log B) points). A switch record keeps ``src``, ``dst``, ``step``, ``bytes_sent``
+and its end: the drain's shape in O(log B) points), ``memory_curve`` ([t, used, expected] triples:
+the busiest rank's KV pages in use, and in use plus the running requests' expected growth, as
+fractions of its pool; a point whenever either moved by 0.05). A switch record keeps ``src``, ``dst``, ``step``, ``cause``
+(request, schedule, policy or pressure), ``bytes_sent``
 and ``bytes_received`` (one entry per rank), ``overhead_ms`` (time the switching step waited for
 switch state), ``blocking_estimate_ms`` and ``deferred_reason`` (None when it happened).
 """
@@ -14,12 +17,23 @@ from typing import Any
 
 from splash_rollout.rollout.types import Timeline
 
-SWITCH_KEYS = ("src", "dst", "step", "bytes_sent", "bytes_received", "overhead_ms", "blocking_estimate_ms",
-               "deferred_reason", "blocking")
+SWITCH_KEYS = ("src", "dst", "step", "cause", "bytes_sent", "bytes_received", "overhead_ms",
+               "blocking_estimate_ms", "deferred_reason", "blocking")
 
 
 CURVE_STEP = 0.2
 """A phase's batch_curve gets a point whenever the running batch moved by this fraction of the last point's."""
+MEMORY_STEP = 0.05
+"""A phase's memory_curve gets a point whenever a fraction moved by this much."""
+
+
+def memory_fractions(step: dict[str, Any]) -> tuple[float, float]:
+    """(used, used + expected growth) of the busiest rank's pool in one step record."""
+    used, promised, total = step.get("pages_used"), step.get("pages_promised"), step.get("pages_total")
+    if not used or not total:
+        return 0.0, 0.0
+    return (max(u / t for u, t in zip(used, total)),
+            max((u + p) / t for u, p, t in zip(used, promised or [0] * len(used), total)))
 
 
 def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -32,15 +46,23 @@ def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p.update(t_end=t_end, steps=p["steps"] + 1, batch_size_end=s["running"], tokens=p["tokens"] + s["rows"])
         else:
             p = {"layout": s["layout"], "t_start": t, "t_end": t_end, "steps": 1, "batch_size_start": s["requests"],
-                 "batch_size_end": s["running"], "tokens": s["rows"], "batch_curve": [[t, s["requests"]]]}
+                 "batch_size_end": s["running"], "tokens": s["rows"], "batch_curve": [[t, s["requests"]]],
+                 "memory_curve": [[t, *memory_fractions(s)]]}
             phases.append(p)
         last = p["batch_curve"][-1][1]
         if abs(s["running"] - last) >= CURVE_STEP * max(last, 1):
             p["batch_curve"].append([t_end, s["running"]])
+        mem, mem_last = memory_fractions(s), p["memory_curve"][-1][1:]
+        if max(abs(a - b) for a, b in zip(mem, mem_last)) >= MEMORY_STEP:
+            p["memory_curve"].append([t_end, *mem])
+        p["memory_end"] = list(mem)
         t = t_end
     for p in phases:
         if p["batch_curve"][-1][0] != p["t_end"]:
             p["batch_curve"].append([p["t_end"], p["batch_size_end"]])
+        end = p.pop("memory_end")
+        if p["memory_curve"][-1][0] != p["t_end"]:
+            p["memory_curve"].append([p["t_end"], *end])
     return phases
 
 
@@ -66,4 +88,15 @@ def layout_metrics(timeline: Timeline) -> dict[str, float]:
     out["layout/switches"] = float(len(done))
     out["layout/deferred_switches"] = float(len(timeline.switches) - len(done))
     out["layout/switch_overhead_ms"] = float(sum(s["overhead_ms"] or 0.0 for s in done))
+    out["layout/pressure_switches"] = float(sum(s.get("cause") == "pressure" for s in done))
     return out
+
+
+def memory_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """``rollout/*`` memory records of one call: retractions, prompt KV taken from another sample
+    instead of computed, prefill rows computed, and the busiest rank's peak and mean pool use."""
+    used = [memory_fractions(s)[0] for s in steps] or [0.0]
+    return {"rollout/retractions": float(sum(s.get("retracted", 0) for s in steps)),
+            "rollout/prefix_hit_tokens": float(sum(s.get("prefix_hit_tokens", 0) for s in steps)),
+            "rollout/prefill_rows": float(sum(s.get("prefill_rows", 0) for s in steps)),
+            "memory/kv_used_peak": float(max(used)), "memory/kv_used_mean": float(sum(used) / len(used))}

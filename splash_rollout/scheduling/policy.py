@@ -254,3 +254,62 @@ class LayoutPolicy:
             return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
         keep_reason = "; ".join(reasons) or "no better layout"
         return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon, **extra)
+
+    def relieve_pressure(self, current: Layout, batch: StepBatch, remaining_tokens, hold, short_pages,
+                         victims) -> Decision:
+        """The running ``batch`` cannot get the KV pages its next step needs in ``current`` (``short_pages``:
+        [T] missing per rank). Two ways out, priced on the same work (the batch's rows over the horizon):
+
+        * retract ``victims`` ([V] indices into the batch, youngest first): the rest runs on in
+          ``current`` at its seconds per token, and the victims' tokens are prefilled again later
+          (priced as what that prefill adds to a step of the rest);
+        * switch to a layout whose pool holds ``hold`` ([B] tokens each request is expected to reach):
+          the switch's exposed cost, then the whole batch at that layout's seconds per token.
+
+        The cheaper one is chosen; the reason lists every option's price."""
+        d, cfg = self.dep, self.config
+        hold = np.asarray(hold, dtype=np.int64)
+        rem = np.asarray(remaining_tokens, dtype=np.float64)
+        horizon = float(np.quantile(rem, cfg.horizon_quantile)) if rem.size else 0.0
+        work = horizon * max(1, int(batch.query_rows.sum()))
+        costs = {l: step_time(l, batch, d.model, d.profile, d.sizes) for l in cfg.layouts}
+        secs = {l.value: c.seconds for l, c in costs.items()}
+        gone = np.zeros(batch.size, dtype=bool)
+        gone[np.asarray(victims, dtype=np.int64)] = True
+        redo = StepBatch.make(batch.context[gone], batch.context[gone], batch.owners[gone])
+        kept = StepBatch.make(batch.context[~gone], batch.query_rows[~gone], batch.owners[~gone])
+        kept_s = step_time(current, kept, d.model, d.profile, d.sizes).seconds if kept.size else 0.0
+        # prefilling the victims again rides along a later step: its price is what it adds to one
+        both = StepBatch.make(np.concatenate([kept.context, redo.context]),
+                              np.concatenate([kept.query_rows, redo.query_rows]),
+                              np.concatenate([kept.owners, redo.owners]))
+        redo_s = step_time(current, both, d.model, d.profile, d.sizes).seconds - kept_s if redo.size else 0.0
+        kept_spt = kept_s / max(1, int(kept.query_rows.sum())) if kept.size else math.inf
+        retract_price = redo_s + work * kept_spt
+        short = ", ".join(f"rank {r} {n}" for r, n in enumerate(short_pages) if n > 0)
+        head = (f"memory pressure in {current.value} (pages short: {short}): retracting {redo.size} of "
+                f"{batch.size} requests costs {retract_price * 1e3:.1f} ms ({redo_s * 1e3:.1f} ms to prefill "
+                f"{int(redo.context.sum())} tokens again, the rest at {kept_spt * 1e6:.1f} us/token)")
+        options, reasons = [], []
+        for l in cfg.layouts:
+            if l is current:
+                continue
+            if not fits(l, hold, d.pools.get(l, 0), d.world_size, batch.owners):
+                reasons.append(f"{l.value}: its pool does not hold the batch")
+                continue
+            sc = self.switch_cost(current, l, batch, costs[l])
+            if not self._headroom_ok(l, hold, batch.owners, sc):
+                reasons.append(f"{l.value}: no headroom for one layer's buffers")
+                continue
+            spt = costs[l].seconds / max(1, int(batch.query_rows.sum()))
+            price = sc.overlapped_s + work * spt
+            reasons.append(f"{l.value}: {price * 1e3:.1f} ms (switch {sc.overlapped_s * 1e3:.2f} ms, "
+                           f"{spt * 1e6:.1f} us/token)")
+            options.append((price, l, sc))
+        if options:
+            price, best, sc = min(options, key=lambda o: (o[0], o[1].value))
+            if price < retract_price:
+                why = "; ".join([head] + reasons + [f"switch to {best.value} instead"])
+                return Decision(current, best, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon)
+        why = "; ".join([head] + reasons + ["retract"])
+        return Decision(current, current, False, why, secs, horizon_steps=horizon)

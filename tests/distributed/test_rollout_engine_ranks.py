@@ -128,8 +128,9 @@ def test_auto_layout_follows_a_draining_batch_and_records_why():
               + [SamplingParams(temperature=0, max_new_tokens=160, ignore_eos=True)] * 2)
     with RolloutEngine(EngineConfig(model="glm5-nano", page_size=16, max_num_batched_tokens=512)) as one:
         want = [s.response_ids for s in one.generate(prompts, params).samples]
+    # worst-case admission: the pools' capacity is what each layout reserves, the regime this pins down
     cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile="cpu", page_size=16,
-                       max_num_batched_tokens=512, memory_budget_gib=2.5 / 1024)
+                       max_num_batched_tokens=512, memory_budget_gib=2.5 / 1024, admission="worst_case")
     with RolloutEngine(cfg) as engine:
         batch = engine.generate(prompts, params)
     assert [s.response_ids for s in batch.samples] == want
@@ -171,7 +172,10 @@ def test_auto_horizon_learns_from_samples_that_stopped():
     """Samples that end at a stop token long before max_new_tokens: once enough have stopped, the
     policy's horizon (steps the batch keeps running) is their median residual length, not the cap."""
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=96, seed=3, stop_token_ids=tuple(range(2, 60)))
-    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", page_size=16, max_num_batched_tokens=512)
+    # without prompt sharing the samples' prefills spill over two steps, so a group's samples do not all
+    # end in the same step and the tail keeps a checkpoint (with sharing every sample starts in step 0)
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", page_size=16, max_num_batched_tokens=512,
+                       prefix_sharing=False)
     with RolloutEngine(cfg) as engine:
         batch = engine.generate([[5 + i] * (8 + i) for i in range(12)], params)
     lengths = sorted(len(s.response_ids) for s in batch.samples)

@@ -157,3 +157,24 @@ def test_a_switch_names_the_faster_layouts_it_passed_over(dep):
     assert d.step_costs["dp"] < d.step_costs["dop"] and fits(Layout.DP, np.full(b, per), dep.pools[Layout.DP], 8, owners)
     assert d.switch and d.chosen is Layout.DOP
     assert d.reason.startswith("dp: no headroom") and "forced to dop" in d.reason, d.reason
+
+
+def test_memory_pressure_is_priced_switch_against_retraction():
+    pol = _capacity_policy()
+    pools = pol.dep.pools
+    h = (pools[Layout.DP] + pools[Layout.DOP]) // 8  # 4 per owner: more than DP's pool, within DOP's
+    batch = StepBatch.make([h - 8] * 8, [1] * 8, np.arange(8) % 2)
+    hold, owners = np.full(8, h), np.arange(8) % 2
+    assert not fits(Layout.DP, hold, pools[Layout.DP], 2, owners) and fits(Layout.DOP, hold, pools[Layout.DOP], 2, owners)
+    # retracting half the batch halves the work per step and prefills four histories again: switch
+    d = pol.relieve_pressure(Layout.DP, batch, np.full(8, 60), hold, [3, 2], [7, 6, 5, 4])
+    assert d.switch and fits(d.chosen, hold, pools[d.chosen], 2, owners), d.reason
+    assert d.reason.startswith("memory pressure in dp (pages short: rank 0 3, rank 1 2)") and "instead" in d.reason
+    # one step left and the youngest holds 2 tokens: retracting it costs less than a slower layout's step
+    young = StepBatch.make([h - 8] * 7 + [2], [1] * 8, np.arange(8) % 2)
+    d = pol.relieve_pressure(Layout.DP, young, np.full(8, 1), hold, [1, 0], [7])
+    assert not d.switch and d.chosen is Layout.DP and d.reason.endswith("retract"), d.reason
+    # nothing else holds the batch either: retract
+    big = np.full(8, 10 * h)
+    d = pol.relieve_pressure(Layout.DP, batch, np.full(8, 60), big, [3, 2], [7, 6, 5, 4])
+    assert not d.switch and "does not hold the batch" in d.reason

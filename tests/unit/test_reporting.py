@@ -44,7 +44,9 @@ def test_layout_metrics_from_phases_and_switches():
     today = layout_metrics({"phases": [{"layout": "tp", "t_start": 0.0, "t_end": 2.0, "steps": 5, "batch_size": 4,
                                         "tokens": 10}], "switches": []})
     assert today == {"layout/time_share/tp": 1.0, "layout/switches": 0.0, "layout/deferred_switches": 0.0,
-                     "layout/switch_overhead_ms": 0.0, "layout/switch_bytes": 0.0}
+                     "layout/switch_overhead_ms": 0.0, "layout/switch_bytes": 0.0, "layout/pressure_switches": 0.0}
+    pressured = {"phases": TIMELINE["phases"], "switches": [dict(TIMELINE["switches"][0], cause="pressure")]}
+    assert layout_metrics(pressured)["layout/pressure_switches"] == 1.0
 
 
 def test_timeline_json_rows_and_png(tmp_path):
