@@ -30,10 +30,10 @@ import triton.language as tl
 
 @triton.jit
 def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, row_seq_ptr, pos_ptr, idx_ptr, part_out_ptr, part_lse_ptr,
-                  num_heads, sparse_keys, split_len, stride_qn, stride_qh, stride_pn, stride_ph, stride_table,
+                  num_heads, num_splits, sparse_keys, split_len, stride_qn, stride_qh, stride_pn, stride_ph, stride_table,
                   stride_idx, scale,
                   R: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                   SPARSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     row = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -98,28 +98,27 @@ def _split_kernel(q_ptr, qpe_ptr, kv_ptr, table_ptr, row_seq_ptr, pos_ptr, idx_p
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    part = (row * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+    part = (row * num_heads + heads) * num_splits + split  # [BLOCK_H]
     tl.store(part_out_ptr + part[:, None] * BLOCK_R + dr[None, :], out, mask=head_ok[:, None])
     tl.store(part_lse_ptr + part, lse, mask=head_ok)
 
 
 @triton.jit
-def _reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_heads,
-                   R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
+def _reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_heads, num_splits,
+                   R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
     dr = tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_S)
-    first = (row * num_heads + heads) * NUM_SPLITS  # [BLOCK_H]
+    first = (row * num_heads + heads) * num_splits  # [BLOCK_H]
     lse = tl.load(part_lse_ptr + first[:, None] + splits[None, :],
-                  mask=head_ok[:, None] & (splits[None, :] < NUM_SPLITS), other=float("-inf"))  # [BLOCK_H, BLOCK_S]
+                  mask=head_ok[:, None] & (splits[None, :] < num_splits), other=float("-inf"))  # [BLOCK_H, BLOCK_S]
     top = tl.max(lse, 1)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp(lse - top_safe[:, None]), 1)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(num_splits):
         w = tl.exp(tl.load(part_lse_ptr + first + s, mask=head_ok, other=float("-inf")) - top_safe)
         o = tl.load(part_out_ptr + (first + s)[:, None] * BLOCK_R + dr[None, :], mask=head_ok[:, None], other=0.0)
         acc += w[:, None] * o
@@ -173,10 +172,12 @@ def paged_mla(q: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, scale: floa
     ieee = upcast or q.dtype == torch.float32
     _split_kernel[(n, head_blocks, num_splits)](
         q, q_pe, kv, table, seq, pos, idx, part_out, part_lse,
-        h, keys, split_len, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
+        h, num_splits, keys, split_len, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
         idx.stride(0), float(scale),
         R=r, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_N=block_n, PAGE=page_size,
-        NUM_SPLITS=num_splits, SPARSE=sparse, UPCAST=upcast, IEEE=ieee)
-    _reduce_kernel[(n, head_blocks)](part_out, part_lse, out, lse, h, R=r, BLOCK_R=block_r, BLOCK_H=block_h,
-                                     NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+        SPARSE=sparse, UPCAST=upcast, IEEE=ieee)
+    # the split count is a runtime argument (one compiled kernel whatever the batch); the lse tile
+    # covers at least 16 splits so it changes only past that
+    _reduce_kernel[(n, head_blocks)](part_out, part_lse, out, lse, h, num_splits, R=r, BLOCK_R=block_r,
+                                     BLOCK_H=block_h, BLOCK_S=max(16, triton.next_power_of_2(num_splits)))
     return out, lse
