@@ -190,7 +190,45 @@ def part_kernel_parity(ctx) -> dict:
             w["max_abs_lse"] = max(w.get("max_abs_lse", 0.0), c["max_abs_lse"])
             w["all_clean"] = w.get("all_clean", True) and not c["nan_in_out"] and c["empty_rows_agree"]
         results[name] = {"status": "ok", "worst_per_dtype": worst, "cases": cases}
+    try:
+        results["triton_indexer"] = indexer_parity(ctx, requests)
+    except Exception:  # noqa: BLE001
+        results["triton_indexer"] = {"error": traceback.format_exc(limit=6)}
     return results
+
+
+def indexer_parity(ctx, requests) -> dict:
+    """The Triton indexer-logits kernel against the executor's torch scores, per dtype, over a
+    NaN-filled indexer cache: max abs error at stored positions."""
+    torch = ctx.torch
+    from splash_rollout.engine.attention.triton_backend import TritonBackend
+    from splash_rollout.engine.executors.single import index_scores
+    from splash_rollout.engine.forward_batch import ForwardBatch
+    from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
+
+    d, hi, page = (16, 4, 64) if ctx.tiny else (128, 64, 64)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(3)
+        num_pages = sum(-(-s // page) for s, _ in requests) + 2
+        pool = KVPool(KVPoolSpec(8, 8, (d,)), num_pages, page, dtype=dtype, device=ctx.device)
+        pool.fill_(float("nan"))
+        free = torch.randperm(num_pages, generator=g).tolist()
+        items, slots = [], []
+        for s, n in requests:
+            pages = [free.pop() for _ in range(-(-s // page))]
+            slots += [pages[pos // page] * page + pos % page for pos in range(s)]
+            items.append((list(range(n)), s - n, n, pages, True))
+        pool.write_index_k(0, torch.tensor(slots, device=ctx.device), torch.randn(len(slots), d, generator=g).to(ctx.device))
+        batch = ForwardBatch.build(items, page_size=page, device=ctx.device)
+        q = torch.randn(batch.num_tokens, hi, d, generator=g).to(ctx.device, dtype)
+        w = torch.randn(batch.num_tokens, hi, generator=g).to(ctx.device)
+        got = TritonBackend().index_scores(pool, 0, q, w, batch)
+        want = index_scores(pool, 0, q, w, batch)
+        stored = batch.key_stored().index_select(0, batch.row_seq)
+        out[str(dtype)[6:]] = {"max_abs": float((got[stored] - want[stored]).abs().max()),
+                               "max_rel": float(((got[stored] - want[stored]).abs() / want[stored].abs().clamp(min=1)).max())}
+    return out
 
 
 def part_kernel_bandwidth(ctx) -> dict:
@@ -203,8 +241,16 @@ def part_kernel_bandwidth(ctx) -> dict:
         pool, batch, q, q_pe = attention_case(ctx, torch.bfloat16, 64, r, rope, heads, [(context, 1)] * b, False, 2)
         kv_bytes = b * context * (r + rope) * 2
         row = {"kv_bytes": kv_bytes, "bound_s": kv_bytes / (ctx.args.hbm_gbps * 1e9)}
-        for name in BACKENDS:
-            backend, why = backend_or_reason(name)
+        variants = [(name, None) for name in BACKENDS] + [(f"triton(block_n={k})", k) for k in (32, 64)]
+        for name, block_n in variants:
+            if block_n is None:
+                backend, why = backend_or_reason(name)
+            else:
+                try:
+                    from splash_rollout.engine.attention.triton_backend import TritonBackend
+                    backend, why = TritonBackend(block_n=block_n), None
+                except Exception as exc:  # noqa: BLE001
+                    backend, why = None, f"{type(exc).__name__}: {exc}"
             if backend is None:
                 row[name] = {"status": "unavailable", "why": why}
                 continue
@@ -366,6 +412,8 @@ def summary(report: dict) -> list[str]:
     for backend, res in parity.items():
         for dtype, w in res.get("worst_per_dtype", {}).items():
             lines.append(f"  parity {backend} {dtype}: {w}")
+    for dtype, w in parity.get("triton_indexer", {}).items():
+        lines.append(f"  parity triton indexer {dtype}: {w}")
     peer = parts.get("transformers_peer", {}).get("result", {})
     thr = parts.get("decode_throughput", {}).get("result", {})
     for backend in BACKENDS:

@@ -173,3 +173,35 @@ def test_engine_greedy_tokens_equal_reference_backend(model):
     for (ids, lps), (ref_ids, ref_lps) in zip(results["triton"], results["torch_ref"]):
         assert ids == ref_ids
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_indexer_logits_equal_the_executor_scores(dtype):
+    """The indexer kernel against the torch path the single-rank executor runs, over a NaN-filled
+    indexer cache: equal at every stored position, 0 (not NaN) where nothing is stored."""
+    from splash_rollout.engine.executors.single import index_scores
+
+    g = torch.Generator().manual_seed(7)
+    d, hi, page = 16, 4, 16
+    requests = [(11, 1), (40, 1), (9, 4), (23, 1)]
+    num_pages = sum(-(-s // page) for s, _ in requests) + 2
+    pool = KVPool(KVPoolSpec(R, ROPE, (d,)), num_pages, page, dtype=dtype)
+    pool.fill_(float("nan"))
+    free = torch.randperm(num_pages, generator=g).tolist()
+    items = []
+    for s, n in requests:
+        pages = [free.pop() for _ in range(-(-s // page))]
+        pages = [-1 if len(pages) > 2 and i == 1 else p for i, p in enumerate(pages)]  # one page elsewhere
+        for pos in range(s):
+            if pages[pos // page] >= 0:
+                pool.write_index_k(0, torch.tensor([pages[pos // page] * page + pos % page]), torch.randn(1, d, generator=g))
+        items.append((list(range(n)), s - n, n, pages, True))
+    batch = ForwardBatch.build(items, page_size=page)
+    index_q = torch.randn(batch.num_tokens, hi, d, generator=g).to(dtype)
+    index_w = torch.randn(batch.num_tokens, hi, generator=g)
+    got = TritonBackend().index_scores(pool, 0, index_q, index_w, batch)
+    want = index_scores(pool, 0, index_q, index_w, batch)
+    stored = batch.key_stored().index_select(0, batch.row_seq)  # [N, S]
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.allclose(got[stored], want[stored], atol=1e-4, rtol=1e-5 if dtype == torch.float32 else 1e-3)
+    assert torch.equal(got[~stored], torch.zeros_like(got[~stored])) and (~stored).any()

@@ -64,6 +64,17 @@ class TritonBackend(AttentionBackend):
         self.max_splits, self.block_h, self.block_n = max_splits, block_h, block_n
         self.target_programs = target_programs
 
+    def index_scores(self, pool, layer: int, index_q: torch.Tensor, index_w: torch.Tensor, batch) -> torch.Tensor:
+        """The DSA indexer's scores of every row against this rank's stored positions, like the
+        single-rank executor's ``index_scores``: index_q [N, Hi, D], index_w [N, Hi] → [N, S] float32
+        (S = ``batch.max_seq_len``; 0 at positions not stored here, which callers mask)."""
+        cache = pool.index_k[layer]  # [num_pages, page_size, D]
+        if cache is None:
+            raise RuntimeError(f"layer {layer} caches no indexer keys")
+        return self.kernels.indexer_logits(index_q, index_w, cache.view(-1, cache.shape[-1]), batch.block_table,
+                                           batch.row_seq, batch.seq_lens, batch.max_seq_len, batch.page_size,
+                                           block_n=self.block_n, upcast=interpreting() or index_q.dtype != cache.dtype)
+
     def num_splits(self, rows: int, heads: int, max_keys: int) -> int:
         """Key ranges per row: enough programs to fill the GPU, never a range under one key block."""
         programs = rows * -(-heads // self.block_h)

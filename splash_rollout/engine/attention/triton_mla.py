@@ -181,3 +181,57 @@ def paged_mla(q: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, scale: floa
     _reduce_kernel[(n, head_blocks)](part_out, part_lse, out, lse, h, num_splits, R=r, BLOCK_R=block_r,
                                      BLOCK_H=block_h, BLOCK_S=max(16, triton.next_power_of_2(num_splits)))
     return out, lse
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, table_ptr, row_seq_ptr, seq_lens_ptr, out_ptr, num_heads, width,
+                    stride_qn, stride_qh, stride_wn, stride_table, stride_out,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    heads = tl.arange(0, BLOCK_HI)
+    dd = tl.arange(0, BLOCK_D)
+    head_ok = heads < num_heads
+    d_ok = dd < D
+    seq = tl.load(row_seq_ptr + row)
+    length = tl.load(seq_lens_ptr + seq)
+    inside = (offs < length) & (offs < width)
+    page = tl.load(table_ptr + seq * stride_table + offs // PAGE, mask=inside, other=-1).to(tl.int64)
+    valid = inside & (page >= 0)
+    slot = tl.where(valid, page * PAGE + offs % PAGE, 0)
+    k = tl.load(k_ptr + slot[:, None] * D + dd[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + row * stride_qn + heads[:, None] * stride_qh + dd[None, :],
+                mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_HI, BLOCK_D]
+    w = tl.load(w_ptr + row * stride_wn + heads, mask=head_ok, other=0.0).to(tl.float32)  # [BLOCK_HI]
+    if UPCAST:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_HI, BLOCK_N]
+    logits = tl.sum(w[:, None] * tl.maximum(s, 0.0), 0)  # [BLOCK_N]
+    tl.store(out_ptr + row * stride_out + offs, tl.where(valid, logits, 0.0), mask=offs < width)
+
+
+def indexer_logits(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor, block_table: torch.Tensor,
+                   row_seq: torch.Tensor, seq_lens: torch.Tensor, width: int, page_size: int, *,
+                   block_n: int = 16, upcast: bool = False) -> torch.Tensor:
+    """DSA lightning-indexer logits over paged keys: sum_h w[n, h] * relu(q[n, h] . k[s]).
+
+    index_q: [N, Hi, D]; index_w: [N, Hi]; index_k: [slots, D] (a layer's indexer pages flattened);
+    block_table [B, P], row_seq [N], seq_lens [B] int → [N, width] float32, 0 at positions past a
+    request's length or stored on another rank (callers mask those)."""
+    n, hi, d = index_q.shape
+    out = torch.empty((n, width), dtype=torch.float32, device=index_q.device)
+    if n == 0 or width == 0:
+        return out
+    q, w, k = index_q.contiguous(), index_w.contiguous(), index_k.contiguous()
+    table = block_table.contiguous()
+    _indexer_kernel[(n, -(-width // block_n))](
+        q, w, k, table, row_seq.contiguous(), seq_lens.contiguous(), out, hi, width, q.stride(0), q.stride(1),
+        w.stride(0), table.stride(0), out.stride(0), D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_N=block_n, PAGE=page_size, UPCAST=upcast,
+        IEEE=upcast or q.dtype == torch.float32)
+    return out
