@@ -100,6 +100,9 @@ class EngineConfig:
 
         if self.attention_backend not in available_backends():
             raise ValueError(f"attention_backend: expected one of {available_backends()}, got {self.attention_backend!r}")
+        if self.attention_backend == "flashmla" and (self.page_size != 64 or self.dtype != "bfloat16"):
+            raise ValueError("attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
+                             f"page_size={self.page_size}, dtype={self.dtype!r}")
         if self.numerics not in NUMERICS_MODES:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         for step, name in (self.switch_schedule or {}).items():

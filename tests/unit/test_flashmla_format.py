@@ -163,3 +163,13 @@ def test_missing_wheel_names_the_install():
         assert "sgl-flash-mla" in str(exc)
     else:  # only on a CUDA machine with the wheel: the registry then builds the real adapter
         assert get_backend("flashmla").name == "flashmla"
+
+
+def test_engine_config_refuses_flashmla_without_its_page_size_and_dtype():
+    from splash_rollout import EngineConfig
+
+    with pytest.raises(ValueError, match="page_size=16"):
+        EngineConfig(attention_backend="flashmla", page_size=16, dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        EngineConfig(attention_backend="flashmla", page_size=64)
+    EngineConfig(attention_backend="flashmla", page_size=64, dtype="bfloat16")  # valid; built only where it imports
