@@ -191,10 +191,41 @@ def part_kernel_parity(ctx) -> dict:
             w["all_clean"] = w.get("all_clean", True) and not c["nan_in_out"] and c["empty_rows_agree"]
         results[name] = {"status": "ok", "worst_per_dtype": worst, "cases": cases}
     try:
+        results["flashmla_sparse_fp8"] = sparse_fp8_parity(ctx, requests, r, rope)
+    except Exception:  # noqa: BLE001
+        results["flashmla_sparse_fp8"] = {"error": traceback.format_exc(limit=6)}
+    try:
         results["triton_indexer"] = indexer_parity(ctx, requests)
     except Exception:  # noqa: BLE001
         results["triton_indexer"] = {"error": traceback.format_exc(limit=6)}
     return results
+
+
+def sparse_fp8_parity(ctx, requests, r: int, rope: int) -> dict:
+    """DSA rows through FlashMLA's sparse fp8 kernel (64 heads) against torch_ref over the pool as
+    the fp8 format holds it (dequantised): the kernel's error beyond the format's rounding."""
+    torch = ctx.torch
+    from splash_rollout.engine.attention import get_backend
+    from splash_rollout.engine.attention.flashmla_backend import FlashMLABackend
+    from splash_rollout.engine.attention.kv_format import pack_pages, unpack_fp8
+    from splash_rollout.models.attention_math import indexer_select
+
+    try:
+        backend = FlashMLABackend(sparse_fp8=True)
+    except ImportError as exc:
+        return {"status": "unavailable", "why": str(exc)}
+    out = {}
+    for elsewhere in (False, True):
+        pool, batch, q, q_pe = attention_case(ctx, torch.bfloat16, 64, r, rope, 64, requests, elsewhere, 5)
+        selected = indexer_select(torch.randn(batch.num_tokens, batch.max_seq_len,
+                                              generator=torch.Generator().manual_seed(6)).to(ctx.device),
+                                  batch.causal(), 64 if ctx.tiny else 2048)
+        got = backend.forward(0, q, q_pe, pool, batch, selected, 0.05)
+        c, k_pe = unpack_fp8(pack_pages(pool.kv[0], r)[:, :, 0], r, rope)
+        pool.kv[0] = torch.cat([c, k_pe.float()], -1).to(torch.bfloat16)
+        out["cp-pages" if elsewhere else "whole"] = compare(got, get_backend("torch_ref").forward(
+            0, q, q_pe, pool, batch, selected, 0.05))
+    return out
 
 
 def indexer_parity(ctx, requests) -> dict:
@@ -412,6 +443,8 @@ def summary(report: dict) -> list[str]:
     for backend, res in parity.items():
         for dtype, w in res.get("worst_per_dtype", {}).items():
             lines.append(f"  parity {backend} {dtype}: {w}")
+    for case, w in parity.get("flashmla_sparse_fp8", {}).items():
+        lines.append(f"  parity flashmla sparse fp8 {case}: {w}")
     for dtype, w in parity.get("triton_indexer", {}).items():
         lines.append(f"  parity triton indexer {dtype}: {w}")
     peer = parts.get("transformers_peer", {}).get("result", {})

@@ -173,3 +173,49 @@ def test_engine_config_refuses_flashmla_without_its_page_size_and_dtype():
     with pytest.raises(ValueError, match="dtype='float32'"):
         EngineConfig(attention_backend="flashmla", page_size=64)
     EngineConfig(attention_backend="flashmla", page_size=64, dtype="bfloat16")  # valid; built only where it imports
+
+
+def emulated_sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, softmax_scale,
+                           is_fp8_kvcache, indices, use_legacy):
+    """flash_mla_with_kvcache's sparse fp8 decode as documented: every index row of -1-padded
+    ``page * 64 + offset`` token ids into the 656-byte cache."""
+    assert is_fp8_kvcache and use_legacy and block_table is None and cache_seqlens is None
+    assert k_cache.dtype == torch.uint8 and k_cache.shape[1:] == (64, 1, 656) and q.shape[2] in (64, 128)
+    assert indices.dtype == torch.int32 and indices.shape[1] == q.shape[1] == 1 and indices.shape[-1] % 128 == 0
+    c, k_pe = unpack_fp8(k_cache.reshape(-1, 656))
+    keys = torch.cat([c, k_pe.float()], -1)  # [T, 576]
+    assert int(indices.max()) < keys.shape[0]
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        idx = indices[b, 0]
+        kb = keys[idx[idx >= 0].long()]
+        logits = q[b, 0].float() @ kb.T * softmax_scale  # [H, K]
+        lses.append(torch.logsumexp(logits, -1))
+        outs.append(torch.softmax(logits, -1) @ kb[:, :head_dim_v] if kb.shape[0] else
+                    torch.zeros(q.shape[2], head_dim_v))
+    return torch.stack(outs)[:, None].to(torch.bfloat16), torch.stack(lses)[:, :, None]
+
+
+@pytest.mark.parametrize("elsewhere", [None, 3], ids=["whole", "cp-pages"])
+def test_sparse_fp8_path_matches_reference_over_the_dequantised_pool(elsewhere):
+    """DSA rows through the sparse fp8 call: indices into a compact packing of the step's pages
+    give what torch_ref gives over the same keys rounded to fp8 (the format's only loss); pages another
+    rank stores are -1 indices."""
+    from splash_rollout.models.attention_math import indexer_select
+
+    pool, batch = make_batch(elsewhere)
+    heads = 64
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(batch.num_tokens, heads, R, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(batch.num_tokens, heads, ROPE, generator=g).to(torch.bfloat16)
+    selected = indexer_select(torch.randn(batch.num_tokens, batch.max_seq_len, generator=g), batch.causal(), 20)
+    backend = FlashMLABackend(kernel=emulated_sparse_decode, fallback=TorchBackend(), sparse_fp8=True)
+    out, lse = backend.forward(0, q, q_pe, pool, batch, selected, 0.05)
+    c, k_pe = unpack_fp8(pack_pages(pool.kv[0], R)[:, :, 0])  # the pool as the fp8 format holds it
+    pool.kv[0] = torch.cat([c, k_pe.float()], -1).to(torch.bfloat16)
+    ref_out, ref_lse = get_backend("torch_ref").forward(0, q, q_pe, pool, batch, selected, 0.05)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and not torch.isnan(out).any()
+    assert (out.float() - ref_out.float()).abs().max() <= 2e-2
+    finite = torch.isfinite(ref_lse)
+    # the reference pool rounds the dequantised keys once more, to bfloat16 (2^-9 of each value)
+    assert torch.equal(finite, torch.isfinite(lse)) and (lse[finite] - ref_lse[finite]).abs().max() <= 1e-2

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from splash_rollout.engine.attention.base import AttentionBackend
-from splash_rollout.engine.attention.kv_format import FLASHMLA_PAGE
+from splash_rollout.engine.attention.kv_format import FLASHMLA_PAGE, pack_pages
 from splash_rollout.models.numerics import acc_dtype
 
 
@@ -42,6 +42,32 @@ def dense_metadata(batch, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return table.clamp(min=0).to(torch.int32).contiguous(), batch.seq_lens.index_select(0, seqs).to(torch.int32)
 
 
+SPARSE_HEADS = (64, 128)
+"""Query heads FlashMLA's sparse kernels take."""
+SPARSE_TOPK_MULTIPLE = 128
+"""Index columns of a sparse call come in multiples of this on SM90 (padded with -1)."""
+
+
+def sparse_inputs(batch, selected: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DSA selection as FlashMLA's sparse call reads it: (k_cache [pages', 64, 1, 656] uint8 -- the fp8
+    packing of just the pages this step reads --, indices [N, 1, K] int32 of ``page' * 64 + offset``
+    into it, -1 where invalid, K a multiple of 128). selected: Bool [N, S]; cache: a layer's pool pages."""
+    from splash_rollout.engine.attention.triton_backend import selected_slots
+
+    slots = selected_slots(batch, selected).long()  # [N, K0], -1 invalid
+    pages = torch.unique(batch.block_table[batch.block_table >= 0])  # [p'] the step's pages
+    remap = torch.full((cache.shape[0],), -1, dtype=torch.int64, device=cache.device)
+    remap[pages] = torch.arange(pages.numel(), device=cache.device)
+    here = slots >= 0
+    page_of = remap[torch.where(here, slots // FLASHMLA_PAGE, torch.zeros_like(slots))]
+    idx = torch.where(here, page_of * FLASHMLA_PAGE + slots % FLASHMLA_PAGE, torch.full_like(slots, -1))
+    width = max(SPARSE_TOPK_MULTIPLE, -(-idx.shape[1] // SPARSE_TOPK_MULTIPLE) * SPARSE_TOPK_MULTIPLE)
+    padded = torch.full((idx.shape[0], width), -1, dtype=torch.int32, device=idx.device)
+    padded[:, :idx.shape[1]] = idx.to(torch.int32)
+    return pack_pages(cache.index_select(0, pages), kv_lora_rank), padded[:, None, :]
+
+
 def whole_here(batch) -> torch.Tensor:
     """Bool [B]: every history position of the request is stored on this rank."""
     return batch.key_stored().sum(1) == batch.seq_lens
@@ -59,15 +85,19 @@ def fallback_backend() -> AttentionBackend:
 class FlashMLABackend(AttentionBackend):
     name = "flashmla"
 
-    def __init__(self, kernel: Callable | None = None, fallback: AttentionBackend | None = None) -> None:
+    def __init__(self, kernel: Callable | None = None, fallback: AttentionBackend | None = None,
+                 sparse_fp8: bool = False) -> None:
         """kernel: ``flash_mla_with_kvcache`` and its ``get_mla_metadata`` come from the wheel when
-        None; fallback: the backend for rows FlashMLA cannot serve (default: triton, else torch)."""
+        None; fallback: the backend for rows FlashMLA cannot serve (default: triton, else torch);
+        sparse_fp8: DSA-selected rows (64 or 128 heads) go to FlashMLA's sparse fp8 kernel, the
+        step's pages packed to the 656-byte format on each call (a check of that kernel: it rounds
+        the latent to fp8 and packs per layer; the pool itself stays in bfloat16)."""
         if kernel is None:
             flash_mla = load_flash_mla()
             kernel, self.new_metadata = flash_mla.flash_mla_with_kvcache, flash_mla.get_mla_metadata
         else:
             self.new_metadata = lambda: (None, None)
-        self.kernel = kernel
+        self.kernel, self.sparse_fp8 = kernel, sparse_fp8
         self.fallback = fallback if fallback is not None else fallback_backend()
 
     def forward(self, layer, q_nope_abs, q_pe, pool, batch, selected: torch.Tensor | None, scale,
@@ -79,6 +109,8 @@ class FlashMLABackend(AttentionBackend):
                              f"queries {q_nope_abs.dtype} and KV {pool.dtype} (dtype='bfloat16')")
         n, h, r = q_nope_abs.shape
         acc = acc_dtype(q_nope_abs.dtype)
+        if selected is not None and n and self.sparse_fp8 and h in SPARSE_HEADS:
+            return self.sparse(layer, q_nope_abs, q_pe, pool, batch, selected, scale, acc if partial else None)
         if selected is not None or n == 0:
             return self.fallback.forward(layer, q_nope_abs, q_pe, pool, batch, selected, scale, partial)
         served, rest = self.split(batch)
@@ -103,6 +135,21 @@ class FlashMLABackend(AttentionBackend):
             out[sub_rows] = o
             lse[sub_rows] = l
         return out, lse
+
+    def sparse(self, layer, q_nope_abs, q_pe, pool, batch, selected, scale, keep: torch.dtype | None):
+        """Every row as its own one-query request of FlashMLA's sparse fp8 decode."""
+        r = q_nope_abs.shape[-1]
+        k_cache, indices = sparse_inputs(batch, selected, pool.kv[layer], r)  # [p', 64, 1, 656], [N, 1, K]
+        meta_key = ("flashmla_sparse_meta", indices.shape[-1])
+        if meta_key not in batch.scratch:  # one schedule per index width, shared by the step's layers
+            batch.scratch[meta_key] = self.new_metadata()[0]
+        q = torch.cat([q_nope_abs, q_pe], dim=-1)[:, None]  # [N, 1, H, r + rope] bf16
+        o, l = self.kernel(q, k_cache, None, None, r, batch.scratch[meta_key], softmax_scale=scale,
+                           is_fp8_kvcache=True, indices=indices, use_legacy=True)  # [N, 1, H, r], [N, H, 1]
+        out, lse = o[:, 0], l[:, :, 0]
+        if keep is not None:
+            return out.to(keep), lse.to(keep)
+        return out, lse.float()
 
     def split(self, batch) -> tuple[list[int], list[int]]:
         """(requests FlashMLA serves: one decode row, history whole here; the others), cached on the
