@@ -157,7 +157,8 @@ class FlashMLABackend(AttentionBackend):
         if "flashmla_split" not in batch.scratch:
             whole = whole_here(batch).tolist()
             served = [b for b, (k, w) in enumerate(zip(batch.num_new, whole)) if k == 1 and w]
-            rest = [b for b in range(batch.num_seqs) if b not in set(served)]
+            taken = set(served)
+            rest = [b for b in range(batch.num_seqs) if b not in taken]
             batch.scratch["flashmla_split"] = (served, rest)
             if served:
                 seqs = torch.tensor(served, dtype=torch.int64, device=batch.device)
