@@ -45,7 +45,10 @@ class EngineConfig:
     YAML file (scheduling/profile.py); its rates are used, the engine's own pools replace its memory."""
     attention_backend: str = "torch"
     """``torch``: one layer for every request of a step in a few batched tensor ops (the default);
-    ``torch_ref``: one exact attention per request, the reference the others are tested against."""
+    ``torch_ref``: one exact attention per request, the reference the others are tested against;
+    ``triton``: split-KV Triton kernels (the ``gpu`` extra; CUDA); ``flashmla``: FlashMLA's dense decode
+    for whole-history decode rows, the rest through ``triton`` (``sgl-flash-mla``, SM90, page_size 64,
+    bfloat16)."""
     device: str = "cpu"
     """Where every engine tensor lives (weights, KV pool, block tables, batch, logits): ``cpu``,
     ``cuda`` (rank r on GPU r mod the device count) or an explicit ``cuda:N``."""
