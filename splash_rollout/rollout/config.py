@@ -45,7 +45,10 @@ class EngineConfig:
     YAML file (scheduling/profile.py); its rates are used, the engine's own pools replace its memory."""
     attention_backend: str = "torch"
     """``torch``: one layer for every request of a step in a few batched tensor ops (the default);
-    ``torch_ref``: one exact attention per request, the reference the others are tested against."""
+    ``torch_ref``: one exact attention per request, the reference the others are tested against;
+    ``triton``: split-KV Triton kernels (the ``gpu`` extra; CUDA); ``flashmla``: FlashMLA's dense decode
+    for whole-history decode rows, the rest through ``triton`` (``sgl-flash-mla``, SM90, page_size 64,
+    bfloat16)."""
     device: str = "cpu"
     """Where every engine tensor lives (weights, KV pool, block tables, batch, logits): ``cpu``,
     ``cuda`` (rank r on GPU r mod the device count) or an explicit ``cuda:N``."""
@@ -111,6 +114,9 @@ class EngineConfig:
 
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")
+        if self.attention_backend == "flashmla" and (self.page_size != 64 or self.dtype != "bfloat16"):
+            raise ValueError("attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
+                             f"page_size={self.page_size}, dtype={self.dtype!r}")
         if self.numerics not in NUMERICS_MODES:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         for step, name in (self.switch_schedule or {}).items():

@@ -8,6 +8,8 @@ from splash_rollout.engine.attention.base import AttentionBackend, causal_allowe
 _REGISTRY: dict[str, str] = {
     "torch": "splash_rollout.engine.attention.torch_batched:TorchBackend",
     "torch_ref": "splash_rollout.engine.attention.torch_ref:TorchRefBackend",
+    "triton": "splash_rollout.engine.attention.triton_backend:TritonBackend",  # needs triton (extra: gpu)
+    "flashmla": "splash_rollout.engine.attention.flashmla_backend:FlashMLABackend",  # needs sgl-flash-mla (CUDA)
 }
 
 
