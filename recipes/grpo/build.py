@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.grpo.evaluation import EvalConfig
 from recipes.grpo.loss import GRPOLossConfig
+from recipes.grpo.rollout_correction import RolloutCorrectionConfig
 from recipes.grpo.schedule import LRSchedule
 from recipes.grpo.sft import SFTConfig
 from recipes.grpo.trainer import TrainerConfig
@@ -103,7 +104,20 @@ def loss_config(cfg: DictConfig) -> GRPOLossConfig:
         raise ValueError(f"grpo.overlong: expected one of {OVERLONG}, got {g.overlong!r}")
     return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef,
                           normalize_std=g.normalize_std, loss_agg=g.get("loss_agg", "token_mean"),
-                          kl_estimator=g.get("kl_estimator", "k3"), entropy_coef=g.get("entropy_coef", 0.0))
+                          kl_estimator=g.get("kl_estimator", "k3"), entropy_coef=g.get("entropy_coef", 0.0),
+                          rollout_corr=rollout_correction_config(cfg))
+
+
+def rollout_correction_config(cfg: DictConfig) -> RolloutCorrectionConfig:
+    """``grpo.rollout_corr.*`` (absent: off); an unknown key is an error naming it."""
+    given = cfg.grpo.get("rollout_corr") or {}
+    given = OmegaConf.to_container(given, resolve=True) if OmegaConf.is_config(given) else dict(given)
+    known = set(RolloutCorrectionConfig.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"grpo.rollout_corr: unknown option(s) {unknown}; expected some of {sorted(known)}")
+    return RolloutCorrectionConfig(**{k: (float(v) if k in ("is_cap", "mask_low", "mask_high") else str(v))
+                                      for k, v in given.items()})
 
 
 def lr_schedule(cfg: DictConfig) -> LRSchedule:
