@@ -126,6 +126,12 @@ class RolloutBatch:
     timeline: Timeline = field(default_factory=Timeline)
     metrics: dict[str, float] = field(default_factory=dict)
     """Slash-named records of the call (``rollout/*``, ``perf/*``, ``timing_s/*``)."""
+    filtered: list[SampleGroup] = field(default_factory=list)
+    """Streaming calls (``generate(on_group=...)``): finished groups that ``on_group`` rejected."""
+    aborted: list[SampleGroup] = field(default_factory=list)
+    """Streaming calls: groups not used -- cut off when ``target_groups`` were kept (their unfinished
+    samples have finish_reason ``abort``) or by ``abort()``, or done after the target was met.
+    ``groups`` + ``filtered`` + ``aborted`` are every prompt of the call, once."""
 
     @property
     def samples(self) -> list[Sample]:
