@@ -9,6 +9,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.grpo.dynamic_sampling import OversampleConfig
 from recipes.grpo.evaluation import EvalConfig
 from recipes.grpo.loss import GRPOLossConfig
 from recipes.grpo.rollout_correction import RolloutCorrectionConfig
@@ -118,6 +119,16 @@ def rollout_correction_config(cfg: DictConfig) -> RolloutCorrectionConfig:
         raise ValueError(f"grpo.rollout_corr: unknown option(s) {unknown}; expected some of {sorted(known)}")
     return RolloutCorrectionConfig(**{k: (float(v) if k in ("is_cap", "mask_low", "mask_high") else str(v))
                                       for k, v in given.items()})
+
+
+def oversample_config(cfg: DictConfig) -> OversampleConfig | None:
+    """``grpo.oversample_groups`` (null / 0: off) with ``grpo.filter``."""
+    g = cfg.grpo
+    asked = g.get("oversample_groups")
+    if not asked:
+        return None
+    return OversampleConfig(oversample_groups=int(asked), target_groups=int(g.prompts_per_step),
+                            filter=str(g.get("filter", "std")))
 
 
 def lr_schedule(cfg: DictConfig) -> LRSchedule:
