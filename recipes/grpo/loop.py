@@ -160,7 +160,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     update = UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=cfg.trainer.micro_batch_size,
                           max_new_tokens=g.max_new_tokens, overlong=g.get("overlong", "keep"),
                           overlong_penalty=float(g.get("overlong_penalty", 1.0)), kl_in=g.get("kl_in", "loss"),
-                          shuffle_minibatches=bool(g.get("shuffle_minibatches", False)), seed=int(cfg.seed))
+                          shuffle_minibatches=bool(g.get("shuffle_minibatches", False)), seed=int(cfg.seed),
+                          routing_replay=bool(g.get("routing_replay", False)))
 
     start, version, cursor, timelines = 0, 0, 0, []
     if restored is not None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, token_logprobs
+from recipes.grpo.routing_replay import replay_table
 from recipes.grpo.trainer import Trainer, collate
 from splash_rollout.rollout.types import RolloutBatch, Sample
 
@@ -35,6 +36,8 @@ class UpdateConfig:
     """loss (kl_coef * KL per token in the loss) | reward (summed KL taken off the reward)."""
     shuffle_minibatches: bool = False
     seed: int = 0
+    routing_replay: bool = False
+    """Replay the rollout's routed experts in every trainer forward (samples must carry ``routing``)."""
 
 
 def _response_mask(s: Sample, overlong: str) -> list[int]:
@@ -104,6 +107,8 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
             mb = collate([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id,
                          response_mask=[masks[i] for i in ids],
                          per_token={"old_logprobs": [s.response_logprobs for s in chunk]}, per_sample=per_sample)
+            if config.routing_replay:
+                mb.extras["routing"], mb.extras["routing_replayed"] = replay_table(chunk, mb.input_ids.shape[1])
             if kl_in_loss:
                 with torch.no_grad():
                     dev = trainer.device

@@ -55,6 +55,8 @@ class RequestResult:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: str
+    routing: Any = None
+    """With ``return_routing``: [positions run, MoE layers, top_k] int16 (engine/routing_capture.py)."""
 
 
 # ---- hosts --------------------------------------------------------------------------------------
@@ -167,7 +169,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                           attention_backend=config.attention_backend, dtype=dtype, device=rank_device(config, 0),
                           pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
-                          reachable_layouts=tuple(Layout) if auto and world_size > 1 else ())
+                          reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
+                          return_routing=bool(getattr(config, "return_routing", False)))
 
 
 def rank_device(config, rank: int) -> str:
@@ -234,7 +237,8 @@ def worker_serve(ctx, records: list[RequestRecord], progress: bool = False):
         bar.close()
     if finished is None:
         return None
-    results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort")
+    results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort",
+                             engine.routing.take(r.request_id) if engine.routing is not None else None)
                for r in finished]
     steps, switches, decisions = engine.step_log, engine.switch_log, engine.decision_log
     engine.step_log, engine.switch_log = [], []

@@ -36,7 +36,7 @@ def make_group(index: int, requests: list[Request], by_id: dict[int, RequestResu
     """Group ``index`` of a call from its requests and their results."""
     return SampleGroup(index, [Sample(list(r.prompt_ids), list(by_id[r.request_id].output_ids),
                                       list(by_id[r.request_id].output_logprobs), by_id[r.request_id].finish_reason,
-                                      r.spec.seed, version) for r in requests])
+                                      r.spec.seed, version, by_id[r.request_id].routing) for r in requests])
 
 
 # ---- what every rank runs (module level so they pickle by name) ----------------------------------------
@@ -51,7 +51,8 @@ def worker_serve_poll(ctx, records: list[RequestRecord], max_steps: int | None, 
     finished = engine.serve([r.request() for r in records], max_steps=max_steps)
     if finished is None:
         return None
-    results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort")
+    results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort",
+                             engine.routing.take(r.request_id) if engine.routing is not None else None)
                for r in finished]
     seen = ctx.state.get("decisions_seen", 0)
     decisions = engine.decision_log[seen:]

@@ -88,6 +88,11 @@ class Sample:
     seed: int
     weight_version: int = 0
     """The ``update_weights`` version the sample was generated with."""
+    routing: np.ndarray | None = None
+    """``EngineConfig(return_routing=True)``: [num_prompt_tokens + num_response_tokens - 1 (the
+    positions the engine ran; + 1 after ``error``), num_moe_layers, top_k] int16, row p the experts
+    the token at position p was routed to in each MoE layer -- the routing behind the logits of token
+    p + 1. None when not requested."""
 
     @property
     def loss_mask(self) -> list[int]:
