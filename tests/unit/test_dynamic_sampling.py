@@ -65,6 +65,7 @@ def test_recipe_trains_on_the_first_groups_that_pass(tmp_path, _no_leftover_proc
                           "grpo.oversample_groups=6", "grpo.n=4", "grpo.max_new_tokens=12",
                           "trainer.micro_batch_size=8", "logger.kind=none", "hardware.threads=1", "engine.world_size=1",
                           "trainer=torch", "engine.numerics=fast", "grpo.rollout_corr.is_level=token",
+                          "grpo.routing_replay=true",
                           "reward.fn=tests.unit.test_dynamic_sampling:parity_reward"])
     launch(cfg, str(tmp_path))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -75,6 +76,7 @@ def test_recipe_trains_on_the_first_groups_that_pass(tmp_path, _no_leftover_proc
         if m["rollout/kept_groups"] == 2:  # trained: only groups with a signal, n samples each
             assert m["reward/groups_with_signal"] == 1.0 and m["rollout/num_samples"] == 8
             assert m["train/trained_samples"] == 8 and 0.9 < m["rollout_corr/ratio_mean"] < 1.1
+            assert m["train/logprob_diff_max"] <= 1e-5  # the trainer replays the engine's routing
         else:  # fewer than the target passed: the call ran out, nothing was cut off
             assert m["rollout/aborted_groups"] == 0 and m["rollout/aborted_samples"] == 0
     assert any(m["rollout/kept_groups"] == 2 for m in lines)
