@@ -120,8 +120,10 @@ class Router(nn.Module):
             if given.shape != idx.shape or replayed.shape != idx.shape[:1]:
                 raise ValueError(f"routing replay: MoE layer {state.calls} expects ids {tuple(idx.shape)} and a "
                                  f"mask ({idx.shape[0]},), got {tuple(given.shape)} and {tuple(replayed.shape)}")
-            if replayed.any() and not (0 <= int(given[replayed].min()) and int(given[replayed].max()) < self.num_experts):
-                raise ValueError(f"routing replay: MoE layer {state.calls} has expert ids outside [0, {self.num_experts})")
+            used = given[replayed]
+            if used.numel() and not (0 <= int(used.min()) and int(used.max()) < self.num_experts):
+                raise ValueError(f"routing replay: MoE layer {state.calls} has expert ids outside "
+                                 f"[0, {self.num_experts})")
             idx = torch.where(replayed.to(idx.device)[:, None], given.to(idx.device, torch.int64), idx)
         state.calls += 1
         if state.capture:

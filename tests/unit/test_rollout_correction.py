@@ -83,7 +83,8 @@ def test_weights_are_detached_and_need_rollout_logprobs():
 
 
 @pytest.mark.parametrize("kwargs, field", [({"is_level": "seq"}, "is_level"), ({"mask_level": "all"}, "mask_level"),
-                                           ({"is_cap": 0.0}, "is_cap"), ({"mask_low": 2.0, "mask_high": 1.0}, "mask_low")])
+                                           ({"is_cap": 0.0}, "is_cap"),
+                                           ({"mask_low": 2.0, "mask_high": 1.0}, "mask_low")])
 def test_bad_options_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"grpo.rollout_corr.{field}"):
         RolloutCorrectionConfig(**kwargs)
@@ -93,8 +94,10 @@ def test_bad_options_name_the_field(kwargs, field):
 def _no_leftover_process_group():
     import torch.distributed as dist
 
-    was = dist.is_initialized()
+    was, threads = dist.is_initialized(), torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend
     yield
+    torch.set_num_threads(threads)
     if not was and dist.is_initialized():
         dist.destroy_process_group()
 
