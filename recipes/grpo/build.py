@@ -9,8 +9,10 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.grpo.dynamic_sampling import OversampleConfig
 from recipes.grpo.evaluation import EvalConfig
 from recipes.grpo.loss import GRPOLossConfig
+from recipes.grpo.rollout_correction import RolloutCorrectionConfig
 from recipes.grpo.schedule import LRSchedule
 from recipes.grpo.sft import SFTConfig
 from recipes.grpo.trainer import TrainerConfig
@@ -59,7 +61,8 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
                   max_num_seqs=e.max_num_seqs, memory_budget_gib=e.memory_budget_gib,
                   max_model_len=e.max_model_len, device=cfg.hardware.device,
                   attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
-                  numerics=e.get("numerics", "fast"))
+                  numerics=e.get("numerics", "fast"),
+                  return_routing=bool(cfg.grpo.get("routing_replay", False)))  # the trainer replays it
     if e.layout is not None:
         kwargs["layout"] = e.layout
     return RolloutEngine(EngineConfig(**kwargs))
@@ -103,7 +106,30 @@ def loss_config(cfg: DictConfig) -> GRPOLossConfig:
         raise ValueError(f"grpo.overlong: expected one of {OVERLONG}, got {g.overlong!r}")
     return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef,
                           normalize_std=g.normalize_std, loss_agg=g.get("loss_agg", "token_mean"),
-                          kl_estimator=g.get("kl_estimator", "k3"), entropy_coef=g.get("entropy_coef", 0.0))
+                          kl_estimator=g.get("kl_estimator", "k3"), entropy_coef=g.get("entropy_coef", 0.0),
+                          rollout_corr=rollout_correction_config(cfg))
+
+
+def rollout_correction_config(cfg: DictConfig) -> RolloutCorrectionConfig:
+    """``grpo.rollout_corr.*`` (absent: off); an unknown key is an error naming it."""
+    given = cfg.grpo.get("rollout_corr") or {}
+    given = OmegaConf.to_container(given, resolve=True) if OmegaConf.is_config(given) else dict(given)
+    known = set(RolloutCorrectionConfig.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"grpo.rollout_corr: unknown option(s) {unknown}; expected some of {sorted(known)}")
+    return RolloutCorrectionConfig(**{k: (float(v) if k in ("is_cap", "mask_low", "mask_high") else str(v))
+                                      for k, v in given.items()})
+
+
+def oversample_config(cfg: DictConfig) -> OversampleConfig | None:
+    """``grpo.oversample_groups`` (null / 0: off) with ``grpo.filter``."""
+    g = cfg.grpo
+    asked = g.get("oversample_groups")
+    if not asked:
+        return None
+    return OversampleConfig(oversample_groups=int(asked), target_groups=int(g.prompts_per_step),
+                            filter=str(g.get("filter", "std")))
 
 
 def lr_schedule(cfg: DictConfig) -> LRSchedule:

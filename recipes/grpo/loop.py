@@ -4,6 +4,8 @@
         if eval due:  sink.log(evaluate(engine, eval split))            # held-out greedy acc, pass@k
         batch      = engine.generate(prompts, sampling)                 # rollout (every rank: the whole batch)
         rewards    = reward_fn(responses, rows, token ids)              # reward.fn
+          (grpo.oversample_groups: generate streams groups to reward_fn + grpo.filter and stops
+           once prompts_per_step groups pass; recipes/grpo/dynamic_sampling.py)
         advantages = group_advantages(shape_rewards(rewards))           # overlong / KL-in-reward shaping
         stats      = grpo_update(trainer, batch, advantages)            # train (ZeRO-2 over the ranks)
         engine.update_weights(weights, version=step + 1)                # the engine samples the new policy
@@ -31,8 +33,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.grpo import checkpoint as ckpt
+from recipes.grpo.dynamic_sampling import GroupScorer, oversample_metrics
 from recipes.grpo.build import (build_engine, build_engine_with_weights, build_policy, eval_config, load_reference,
-                                loss_config, lr_schedule, max_prompt_len, model_source, sft_config, trainer_config)
+                                loss_config, lr_schedule, max_prompt_len, model_source, oversample_config,
+                                sft_config, trainer_config)
 from recipes.grpo.evaluation import evaluate
 from recipes.grpo.loss import group_advantages
 from recipes.grpo.metrics import memory_metrics, step_metrics
@@ -104,9 +108,10 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     sft_cfg = sft_config(cfg)
     resume = cfg.get("resume")
     do_sft = not resume and not s.get("load") and sft_cfg.steps > 0
+    oversample = oversample_config(cfg)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
                            sft_examples=sft_cfg.steps * sft_cfg.batch_size if do_sft else 0,
-                           fresh_prompts=g.steps * g.prompts_per_step)
+                           fresh_prompts=g.steps * (oversample.oversample_groups if oversample else g.prompts_per_step))
     reward_fn.probe(data.train[0])
     schedule = lr_schedule(cfg)
     losses = loss_config(cfg)
@@ -155,7 +160,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     update = UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=cfg.trainer.micro_batch_size,
                           max_new_tokens=g.max_new_tokens, overlong=g.get("overlong", "keep"),
                           overlong_penalty=float(g.get("overlong_penalty", 1.0)), kl_in=g.get("kl_in", "loss"),
-                          shuffle_minibatches=bool(g.get("shuffle_minibatches", False)), seed=int(cfg.seed))
+                          shuffle_minibatches=bool(g.get("shuffle_minibatches", False)), seed=int(cfg.seed),
+                          routing_replay=bool(g.get("routing_replay", False)))
 
     start, version, cursor, timelines = 0, 0, 0, []
     if restored is not None:
@@ -184,13 +190,23 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     for step in range(start, g.steps):
         timings: dict[str, float] = {}
         extra = {**run_eval(step), **(data.metrics() if step == 0 else {})}
-        examples = [data.train[i] for i in order.take(g.prompts_per_step)]
+        examples = [data.train[i] for i in order.take(oversample.oversample_groups if oversample else
+                                                      g.prompts_per_step)]
         trainer.set_lr(schedule.lr_at(step))
-        with timed(timings, "rollout"):
-            batch = engine.generate([ex.prompt_ids for ex in examples],
-                                    dataclasses.replace(sampling, seed=cfg.seed * 100_003 + step))
+        step_sampling = dataclasses.replace(sampling, seed=cfg.seed * 100_003 + step)
+        scorer = GroupScorer(reward_fn, examples, tokenizer, oversample.filter) if oversample else None
+        with timed(timings, "rollout"):  # with over-sampling this includes scoring the groups
+            batch = engine.generate([ex.prompt_ids for ex in examples], step_sampling, on_group=scorer,
+                                    target_groups=oversample.target_groups) if oversample else \
+                engine.generate([ex.prompt_ids for ex in examples], step_sampling)
+        if oversample and not batch.groups:  # every group filtered out: nothing to train on
+            metrics = {**oversample_metrics(batch), **timings, **extra, "grpo_step": float(step)}
+            sink.log(metrics, step=step_offset + step)
+            if rank == 0:
+                print(f"[grpo] step {step:3d}: no group passed grpo.filter={oversample.filter}; no update", flush=True)
+            continue
         with timed(timings, "reward"):
-            scored = score_batch(reward_fn, batch, examples, tokenizer)
+            scored = scorer.rewards_of(batch) if oversample else score_batch(reward_fn, batch, examples, tokenizer)
             rewards = torch.tensor(scored.reward, dtype=torch.float32).view(len(batch.groups), g.n)
             ref_lp = None
             if ref_model is not None and update.kl_in == "reward":
@@ -211,6 +227,7 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             engine.update_weights(trainer.named_weights(), version=step + 1)
         timings["timing_s/step"] = sum(timings.values())
         metrics = {**step_metrics(batch, rewards, scored, timings), **shape_stats, **train_stats, **memory, **extra,
+                   **(oversample_metrics(batch) if oversample else {}),
                    "train/lr": schedule.lr_at(step), "grpo_step": float(step)}
         sink.log(metrics, step=step_offset + step)
         timelines.append((step, batch.timeline.to_dict()))
@@ -244,8 +261,9 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         summary["history"] = history
-        print(f"[grpo] done in {summary['total_s']:.0f}s: reward first {summary['reward/first']:.3f} "
-              f"-> last {summary['reward/last']:.3f}; outputs in {run_dir}", flush=True)
+        curve = (f"reward first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f}"
+                 if "reward/first" in summary else "no step trained")
+        print(f"[grpo] done in {summary['total_s']:.0f}s: {curve}; outputs in {run_dir}", flush=True)
     sink.finish()
     engine.shutdown()
     return summary
@@ -279,10 +297,10 @@ def eval_summary(history: list[dict[str, float]]) -> dict[str, Any]:
 def write_samples(f, step: int, batch: RolloutBatch, examples: list[Example], rewards: torch.Tensor, tokenizer,
                   k: int) -> None:
     """The first sample of the first ``k`` groups: prompt, completion, reward, finish reason."""
-    for g in batch.groups[:k]:
+    for row, g in enumerate(batch.groups[:k]):
         s, ex = g.samples[0], examples[g.prompt_index]
         label = ex.label if isinstance(ex.label, (int, float, str, bool, type(None))) else str(ex.label)
         f.write(json.dumps({"step": step, "prompt": tokenizer.decode(s.prompt_ids), "answer": label,
-                            "completion": tokenizer.decode(s.response_ids), "reward": float(rewards[g.prompt_index, 0]),
+                            "completion": tokenizer.decode(s.response_ids), "reward": float(rewards[row, 0]),
                             "finish_reason": s.finish_reason, "response_len": len(s.response_ids)}) + "\n")
     f.flush()

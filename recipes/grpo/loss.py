@@ -21,6 +21,11 @@ k1 = delta, k2 = delta^2 / 2, k3 = exp(-delta) + delta - 1 (>= 0, unbiased for K
 ``kl_coef * kl`` is added to the per-token loss here; as a reward penalty instead it is summed over
 the response and taken off the sample's reward before advantages (``kl_penalty``). The entropy
 bonus subtracts ``entropy_coef * H(pi(.|y_<t))`` per token.
+
+Off-policy correction (``rollout_corr``, recipes/grpo/rollout_correction.py): when on, the ratio is
+taken against the trainer's own logprobs before the step (``old_logprobs``) and the clipped policy
+term of each token is multiplied by a detached truncated / masked importance weight of
+``old_logprobs`` against the rollout's (``rollout_logprobs``); KL and entropy terms are not weighted.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipes.grpo.rollout_correction import RolloutCorrectionConfig, correction_weights
 from splash_rollout.models.numerics import acc_dtype
 
 
@@ -48,6 +54,8 @@ class GRPOLossConfig:
     """k1 | k2 | k3."""
     entropy_coef: float = 0.0
     """> 0 adds an entropy bonus (the trainer then computes the full-vocabulary entropy)."""
+    rollout_corr: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Truncated / masked importance sampling against the rollout's logprobs (off by default)."""
 
     def __post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGGS:
@@ -120,9 +128,13 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
               loss_mask: torch.Tensor, config: GRPOLossConfig = GRPOLossConfig(),
               ref_logprobs: torch.Tensor | None = None,
               normalizer: float | None = None, weights: torch.Tensor | None = None,
-              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              entropy: torch.Tensor | None = None,
+              rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """logprobs, old_logprobs, loss_mask [B, T]; advantages [B]; ref_logprobs [B, T] or None;
-    weights [B] per-sample weights (``sample_weight``; default 1); entropy [B, T] or None.
+    weights [B] per-sample weights (``sample_weight``; default 1); entropy [B, T] or None;
+    rollout_logprobs [B, T] or None: the engine's logprobs, required when ``config.rollout_corr``
+    is on (``old_logprobs`` are then the trainer's before the step), which adds its
+    ``rollout_corr/*`` stats.
 
     ``normalizer``: what the weighted masked token sum is divided by (default: this batch's mask
     sum); ``step_normalizer`` gives the whole optimizer step's (over micro-batches and ranks) for
@@ -140,6 +152,12 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     per_token = torch.maximum(unclipped, clipped)
     stats = {"clip_frac": (((clipped > unclipped).to(mask.dtype) * mask).sum() / tokens).detach(),
              "ratio": ((ratio * mask).sum() / tokens).detach()}
+    if config.rollout_corr.enabled:
+        if rollout_logprobs is None:
+            raise ValueError("grpo_loss: rollout_corr is on, so rollout_logprobs (the engine's, [B, T]) are required")
+        is_weights, corr_stats = correction_weights(old_logprobs, rollout_logprobs, loss_mask, config.rollout_corr)
+        per_token = per_token * is_weights.to(per_token.dtype)
+        stats.update(corr_stats)
     if ref_logprobs is not None and config.kl_coef > 0:
         kl = kl_per_token(logprobs, ref_logprobs.to(logprobs.dtype), config.kl_estimator)
         per_token = per_token + config.kl_coef * kl

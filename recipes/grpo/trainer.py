@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from recipes.grpo.loss import token_logprobs_and_entropy
+from recipes.grpo.routing_replay import replay_layers
+from splash_rollout.models.moe import routing_context
 from splash_rollout.distributed.groups import average_gradients, ensure_default_group
 
 
@@ -70,7 +72,9 @@ class TrainBatch:
     loss_mask: torch.Tensor
     """[B, S - 1] float32, 1 where target token t+1 is a trained response token"""
     extras: dict[str, torch.Tensor]
-    """Per-target tensors [B, S - 1] (old_logprobs, ref_logprobs) or per-sample [B] (advantages)."""
+    """Per-target tensors [B, S - 1] (old_logprobs, ref_logprobs) or per-sample [B] (advantages); with
+    routing replay ``routing`` [B, S, moe layers, top_k] int64 and ``routing_replayed`` [B, S] bool
+    (recipes/grpo/routing_replay.py), which the forward replays."""
 
     def to(self, device: torch.device) -> "TrainBatch":
         return TrainBatch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
@@ -182,7 +186,11 @@ class Trainer:
                           entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         module = self.engine if self.engine is not None else self.model
         anchor = self._grad_order_anchor() if torch.is_grad_enabled() else None
-        logits = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+        if "routing" in batch.extras:  # the rollout's expert choices (R3)
+            with routing_context(replay=replay_layers(batch.extras["routing"], batch.extras["routing_replayed"])):
+                logits = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+        else:
+            logits = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
         temperature = self.temperature if temperature is None else temperature
         logprobs, ent = token_logprobs_and_entropy(logits[:, :-1], batch.targets.to(self.device), temperature,
                                                    entropy=entropy)

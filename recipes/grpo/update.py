@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, token_logprobs
+from recipes.grpo.routing_replay import replay_table
 from recipes.grpo.trainer import Trainer, collate
 from splash_rollout.rollout.types import RolloutBatch, Sample
 
@@ -35,6 +36,8 @@ class UpdateConfig:
     """loss (kl_coef * KL per token in the loss) | reward (summed KL taken off the reward)."""
     shuffle_minibatches: bool = False
     seed: int = 0
+    routing_replay: bool = False
+    """Replay the rollout's routed experts in every trainer forward (samples must carry ``routing``)."""
 
 
 def _response_mask(s: Sample, overlong: str) -> list[int]:
@@ -87,7 +90,7 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
     loss_cfg = config.loss
     kl_in_loss = ref_model is not None and config.kl_in == "loss"
     masks = [_response_mask(s, config.overlong) for s in samples]
-    stats_all: list[dict[str, float]] = []
+    minibatches: list[tuple[float, list]] = []
     for m in range(config.minibatches):
         idx = order[m * per_mb:(m + 1) * per_mb]
         trained = [i for i in idx if sum(masks[i])]
@@ -104,24 +107,43 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
             mb = collate([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id,
                          response_mask=[masks[i] for i in ids],
                          per_token={"old_logprobs": [s.response_logprobs for s in chunk]}, per_sample=per_sample)
+            if config.routing_replay:
+                mb.extras["routing"], mb.extras["routing_replayed"] = replay_table(chunk, mb.input_ids.shape[1])
             if kl_in_loss:
                 with torch.no_grad():
                     dev = trainer.device
                     logits = ref_model(mb.input_ids.to(dev), mb.attention_mask.to(dev))[:, :-1]
                     mb.extras["ref_logprobs"] = token_logprobs(logits, mb.targets.to(dev), trainer.temperature).cpu()
             micro.append(mb)
+        minibatches.append((normalizer, micro))
+    if loss_cfg.rollout_corr.enabled:
+        # the ratio is against the trainer's own logprobs before this step's first update; the
+        # engine's become the importance weights' denominator
+        for _, micro in minibatches:
+            for mb in micro:
+                mb.extras["rollout_logprobs"] = mb.extras["old_logprobs"]
+                mb.extras["old_logprobs"] = trainer.logprobs(mb).detach().float().cpu()
 
-        def loss_fn(logprobs, mb, entropy=None):
+    stats_all: list[dict[str, float]] = []
+    for normalizer, micro in minibatches:
+        def loss_fn(logprobs, mb, entropy=None, normalizer=normalizer):
             mask = mb.loss_mask
+            rollout = mb.extras.get("rollout_logprobs")
             loss, stats = grpo_loss(logprobs, mb.extras["old_logprobs"], mb.extras["advantages"], mask, loss_cfg,
                                     mb.extras.get("ref_logprobs"), normalizer=normalizer,
-                                    weights=mb.extras.get("weights"), entropy=entropy)
+                                    weights=mb.extras.get("weights"), entropy=entropy, rollout_logprobs=rollout)
             # rollout vs trainer logprobs of the same tokens (weights equal before the first step)
-            stats["logprob_diff_max"] = ((logprobs - mb.extras["old_logprobs"]).abs() * mask).max().detach()
+            engine_lp = rollout if rollout is not None else mb.extras["old_logprobs"]
+            stats["logprob_diff_max"] = ((logprobs - engine_lp).abs() * mask).max().detach()
             return loss, stats
 
         stats_all.append(trainer.optimizer_step(micro, loss_fn, entropy=loss_cfg.entropy_coef > 0))
-    out = {f"train/{k}": float(np.mean([s[k] for s in stats_all])) for k in stats_all[0] if k in stats_all[-1]}
+    corr = sorted({k for s_ in stats_all for k in s_ if k.startswith("rollout_corr/")})
+    out = {f"train/{k}": float(np.mean([s[k] for s in stats_all])) for k in stats_all[0]
+           if k in stats_all[-1] and k not in corr}
+    for k in corr:  # rollout_corr/* keep their own prefix; maxima stay maxima over the minibatches
+        values = [s_[k] for s_ in stats_all if k in s_]
+        out[k] = float(np.max(values) if k.endswith("_max") else np.mean(values))
     out["train/logprob_diff_max"] = stats_all[0]["logprob_diff_max"]  # on-policy pass: must be ~0
     out["train/trained_samples"] = float(sum(1 for m in masks if sum(m)))
     return out

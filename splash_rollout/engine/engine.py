@@ -45,6 +45,7 @@ from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.projections import drop_full_projections, slice_projections
 from splash_rollout.engine.rank_state import RankState
 from splash_rollout.engine.request import Request
+from splash_rollout.engine.routing_capture import RoutingRecorder, maybe_step
 from splash_rollout.engine.sampler import SamplingBatch, sample
 from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
@@ -100,6 +101,8 @@ class EngineSettings:
     """How much KV growth admission expects (optimistic, with retraction; or worst case)."""
     prefix_sharing: bool = True
     """The samples of one prompt share its KV pages and prefill it once."""
+    return_routing: bool = False
+    """Rank 0 records every token's routed experts per MoE layer (engine/routing_capture.py)."""
 
     @property
     def initial_pages(self) -> int:
@@ -172,6 +175,9 @@ class Engine:
         self.block_table = BlockTable(settings.max_num_seqs, self.device)
         self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule)
         self.heartbeat, self.should_abort = heartbeat, should_abort
+        self.routing = (RoutingRecorder(sum(map(config.is_moe_layer, range(config.num_layers))),
+                                        config.num_experts_per_tok) if settings.return_routing and rank == 0 else None)
+        """Rank 0 with ``return_routing``: each request's routed experts, until its result takes them."""
         self.num_steps = 0
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds and
@@ -304,7 +310,11 @@ class Engine:
         schedule_s = lap()
         batch = self._batch(scheduled)
         batch_s = lap()
-        logits = self._forward(batch, order)
+        with maybe_step(self.routing, [s.request.request_id for s in scheduled], batch):
+            logits = self._forward(batch, order)
+        if self.routing is not None:
+            for taker, source, n in self.scheduler.prefix_sources:
+                self.routing.inherit(source.request_id, taker.request_id, n)
         with torch.inference_mode():  # the pool's tensors are inference tensors after a switch resized them
             self.state.pool.copy_pages(*self._copies_here())
         forward_s = lap()

@@ -111,6 +111,8 @@ class Scheduler:
         """Requests this step's schedule retracted (their device page-table rows must go)."""
         self.prefix_hit_tokens = 0
         """Tokens of KV this step's admissions and forks took from a sample of the same prompt."""
+        self.prefix_sources: list[tuple[Request, Request, int]] = []
+        """This step's (taker, sample it took from, tokens): what else follows the KV (routing records)."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -167,7 +169,7 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
-        self.copies, self.retracted, self.prefix_hit_tokens = [], [], 0
+        self.copies, self.retracted, self.prefix_hit_tokens, self.prefix_sources = [], [], 0, []
         self.estimate.stepped()
         plan = self._fit(self._running_rows())
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
@@ -284,6 +286,7 @@ class Scheduler:
                 f.fork_of = None
                 self._make_live(f)
                 self.prefix_hit_tokens += req.num_prompt_tokens
+                self.prefix_sources.append((f, req, req.num_prompt_tokens))
             seq.forks, req.forks = req.forks, []
         return seq
 
@@ -306,6 +309,7 @@ class Scheduler:
         if shared:
             req.num_computed_tokens = shared * ps
             self.prefix_hit_tokens += shared * ps
+            self.prefix_sources.append((req, prefix, shared * ps))
         elif self.prefix_sharing and req.num_output_tokens == 0:
             self._take_followers(req, room)
         self._make_live(req)

@@ -7,8 +7,19 @@ top-k when ``norm_topk_prob``, times ``routed_scaling_factor``. Shared experts a
 Router weight and bias stay float32 in every model dtype, as in transformers.
 Experts are separate modules (``experts.{e}.gate_proj`` ...), the names real checkpoints ship, so
 expert parallelism can hand out whole modules.
+
+Routing capture and replay (``routing_context``): inside the context every router call of a forward
+records the experts it chose (capture) and/or takes its choice from a given table (replay), MoE
+layer by MoE layer in call order -- one forward calls each MoE layer's router once. Replay keeps the
+gating weights a function of the current router (sigmoid scores of the replayed experts), so the
+router still learns; only the discrete choice is pinned, e.g. to the rollout engine's, so a routing
+flip between rollout and training cannot change the trained distribution.
 """
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +40,40 @@ class DenseMLP(nn.Module):
         """``keep``: return the down projection unrounded (float64 in reproducible numerics), for a
         caller that adds it to other partial sums first."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), keep=keep)
+
+
+@dataclass
+class RoutingState:
+    """One forward's routing capture / replay (``routing_context``)."""
+
+    capture: bool = False
+    replay: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Per MoE layer in call order: (expert ids [N, k] int64, replayed [N] bool). Rows not replayed
+    route freely (e.g. a sequence's last token, which the rollout never fed through the model)."""
+    captured: list[torch.Tensor] = field(default_factory=list)
+    """Per MoE layer called: the expert ids [N, k] int64 it used."""
+    calls: int = 0
+
+
+_ROUTING: RoutingState | None = None
+
+
+@contextlib.contextmanager
+def routing_context(capture: bool = False,
+                    replay: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Iterator[RoutingState]:
+    """Capture and/or replay the routers' expert choice in the forward(s) run inside; refuses nesting.
+    With ``replay`` the forward must call exactly ``len(replay)`` routers."""
+    global _ROUTING
+    if _ROUTING is not None:
+        raise RuntimeError("routing_context: already inside one (one forward at a time)")
+    state = RoutingState(capture, replay)
+    _ROUTING = state
+    try:
+        yield state
+    finally:
+        _ROUTING = None
+    if replay is not None and state.calls != len(replay):
+        raise ValueError(f"routing replay: got routing for {len(replay)} MoE layers, the forward ran {state.calls}")
 
 
 class Router(nn.Module):
@@ -58,10 +103,32 @@ class Router(nn.Module):
             keep = keep[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)
             choice = choice.masked_fill(~keep, float("-inf"))
         idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        if _ROUTING is not None:
+            idx = self._replay_or_capture(_ROUTING, idx)
         weight = scores.gather(1, idx)
         if self.norm_topk_prob:
             weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
         return idx, weight * self.routed_scaling_factor
+
+    def _replay_or_capture(self, state: RoutingState, idx: torch.Tensor) -> torch.Tensor:
+        """idx [N, k] int64 (this router's choice) -> the ids this forward uses."""
+        if state.replay is not None:
+            if state.calls >= len(state.replay):
+                raise ValueError(f"routing replay: got routing for {len(state.replay)} MoE layers, the forward "
+                                 f"calls more routers")
+            given, replayed = state.replay[state.calls]
+            if given.shape != idx.shape or replayed.shape != idx.shape[:1]:
+                raise ValueError(f"routing replay: MoE layer {state.calls} expects ids {tuple(idx.shape)} and a "
+                                 f"mask ({idx.shape[0]},), got {tuple(given.shape)} and {tuple(replayed.shape)}")
+            used = given[replayed]
+            if used.numel() and not (0 <= int(used.min()) and int(used.max()) < self.num_experts):
+                raise ValueError(f"routing replay: MoE layer {state.calls} has expert ids outside "
+                                 f"[0, {self.num_experts})")
+            idx = torch.where(replayed.to(idx.device)[:, None], given.to(idx.device, torch.int64), idx)
+        state.calls += 1
+        if state.capture:
+            state.captured.append(idx.detach())
+        return idx
 
 
 def run_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts: nn.ModuleList,

@@ -80,7 +80,14 @@ class EngineConfig:
     of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below
     1e-38. Set False to leave the process flag alone."""
 
+    return_routing: bool = False
+    """Every sample carries ``routing``: the experts each of its tokens was routed to in every MoE
+    layer ([positions run, MoE layers, top_k] int16), so a trainer can replay them
+    (``models.moe.routing_context``). Off by default: it costs that array per sample."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.return_routing, bool):
+            raise TypeError(f"return_routing: expected a bool, got {type(self.return_routing).__name__}")
         from splash_rollout.layout.layouts import Layout
 
         if self.world_size < 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,10 +25,11 @@ from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost,
                                           worker_memory_stats, worker_request_switch, worker_serve, worker_sleep,
                                           worker_update_weights, worker_wake_up)
 from splash_rollout.rollout.progress import progress_enabled
+from splash_rollout.rollout.streaming import ABORTED, FILTERED, KEPT, check_stream_args, make_group, serve_streaming
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics
 from splash_rollout.rollout.validation import (agree_across_ranks, check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
-from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams
+from splash_rollout.rollout.types import RolloutBatch, SampleGroup, SamplingParams
 
 
 def derive_seed(*keys: int) -> int:
@@ -122,17 +123,35 @@ class RolloutEngine:
 
     # ---- generate ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Any] | str,
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> RolloutBatch:
-        """One group of ``n`` samples per prompt (token-id list or string)."""
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 on_group: Callable[[SampleGroup], bool] | None = None, target_groups: int | None = None,
+                 poll_steps: int = 1) -> RolloutBatch:
+        """One group of ``n`` samples per prompt (token-id list or string).
+
+        Streaming (``rollout/streaming.py``), when ``on_group`` or ``target_groups`` is given: every
+        ``poll_steps`` engine steps, each group whose samples have all finished goes to
+        ``on_group(group) -> bool`` (True keeps it; default: keep every group) in the order groups
+        complete; once ``target_groups`` groups are kept the rest of the call is aborted at the next
+        step boundary. ``batch.groups`` then holds the kept groups (completion order),
+        ``batch.filtered`` the rejected ones and ``batch.aborted`` the unused rest, which together
+        are every prompt of the call. No progress bar while streaming."""
         self._check_usable("generate")
         self._check_awake("generate")
+        streaming = on_group is not None or target_groups is not None
+        if streaming:
+            check_stream_args(on_group, target_groups, poll_steps,
+                              1 if isinstance(prompts, str) else len(prompts) if hasattr(prompts, "__len__") else None)
         requests, groups = self._make_requests(prompts, sampling)
         t0 = time.perf_counter()
         with self._call_lock:
             self._in_call = requests
         try:
-            results, steps, switches, decisions = self._on_ranks(
-                worker_serve, [RequestRecord.of(r) for r in requests], self._progress)
+            if streaming:
+                results, steps, switches, decisions, sorted_groups = serve_streaming(
+                    self, requests, groups, on_group, target_groups, poll_steps)
+            else:
+                results, steps, switches, decisions = self._on_ranks(
+                    worker_serve, [RequestRecord.of(r) for r in requests], self._progress)
         finally:
             with self._call_lock:  # an abort() that arrives after the last step is not kept for the next call
                 self._in_call = None
@@ -140,10 +159,11 @@ class RolloutEngine:
                 self._host.clear_interrupt()
         elapsed = time.perf_counter() - t0
         by_id = {r.request_id: r for r in results}
-        out = [SampleGroup(i, [Sample(list(r.prompt_ids), list(by_id[r.request_id].output_ids),
-                                      list(by_id[r.request_id].output_logprobs), by_id[r.request_id].finish_reason,
-                                      r.spec.seed, self.weight_version) for r in reqs])
-               for i, reqs in enumerate(groups)]
+        if streaming:
+            out, filtered, aborted = sorted_groups[KEPT], sorted_groups[FILTERED], sorted_groups[ABORTED]
+        else:
+            out, filtered, aborted = [make_group(i, reqs, by_id, self.weight_version)
+                                      for i, reqs in enumerate(groups)], [], []
         timeline = build_timeline(steps, switches, decisions)
         lens = [len(by_id[r.request_id].output_ids) for r in requests]
         num_tokens = sum(lens)
@@ -152,10 +172,14 @@ class RolloutEngine:
                    "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(len(steps)),
                    "perf/max_running": float(max((s["running"] for s in steps), default=0)),
                    "perf/control_bytes_max": float(max(control)), "perf/control_bytes_mean": float(np.mean(control)),
-                   "timing_s/generate": elapsed}
+                   "timing_s/generate": elapsed,
+                   "rollout/aborted_samples": float(sum(r.finish_reason == "abort" for r in results))}
+        if streaming:
+            metrics.update({"rollout/kept_groups": float(len(out)), "rollout/filtered_groups": float(len(filtered)),
+                            "rollout/aborted_groups": float(len(aborted))})
         metrics.update(layout_metrics(timeline))
         metrics.update(memory_metrics(steps))
-        return RolloutBatch(out, timeline, metrics)
+        return RolloutBatch(out, timeline, metrics, filtered=filtered, aborted=aborted)
 
     def switch_layout(self, dst: str, blocking: bool = False) -> None:
         """Switch the attention layout at the next step boundary (the next ``generate`` call's first

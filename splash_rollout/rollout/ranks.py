@@ -56,6 +56,8 @@ class RequestResult:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: str
+    routing: Any = None
+    """With ``return_routing``: [positions run, MoE layers, top_k] int16 (engine/routing_capture.py)."""
 
 
 # ---- hosts --------------------------------------------------------------------------------------
@@ -169,7 +171,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           attention_backend=config.attention_backend, dtype=dtype, device=rank_device(config, 0),
                           pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
                           reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
-                          admission=AdmissionSettings(mode=config.admission), prefix_sharing=config.prefix_sharing)
+                          admission=AdmissionSettings(mode=config.admission), prefix_sharing=config.prefix_sharing,
+                          return_routing=bool(getattr(config, "return_routing", False)))
 
 
 def rank_device(config, rank: int) -> str:
@@ -236,7 +239,8 @@ def worker_serve(ctx, records: list[RequestRecord], progress: bool = False):
         bar.close()
     if finished is None:
         return None
-    results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort")
+    results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort",
+                             engine.routing.take(r.request_id) if engine.routing is not None else None)
                for r in finished]
     steps, switches, decisions = engine.step_log, engine.switch_log, engine.decision_log
     engine.step_log, engine.switch_log = [], []

@@ -88,6 +88,11 @@ class Sample:
     seed: int
     weight_version: int = 0
     """The ``update_weights`` version the sample was generated with."""
+    routing: np.ndarray | None = None
+    """``EngineConfig(return_routing=True)``: [num_prompt_tokens + num_response_tokens - 1 (the
+    positions the engine ran; + 1 after ``error``), num_moe_layers, top_k] int16, row p the experts
+    the token at position p was routed to in each MoE layer -- the routing behind the logits of token
+    p + 1. None when not requested."""
 
     @property
     def loss_mask(self) -> list[int]:
@@ -126,6 +131,12 @@ class RolloutBatch:
     timeline: Timeline = field(default_factory=Timeline)
     metrics: dict[str, float] = field(default_factory=dict)
     """Slash-named records of the call (``rollout/*``, ``perf/*``, ``timing_s/*``)."""
+    filtered: list[SampleGroup] = field(default_factory=list)
+    """Streaming calls (``generate(on_group=...)``): finished groups that ``on_group`` rejected."""
+    aborted: list[SampleGroup] = field(default_factory=list)
+    """Streaming calls: groups not used -- cut off when ``target_groups`` were kept (their unfinished
+    samples have finish_reason ``abort``) or by ``abort()``, or done after the target was met.
+    ``groups`` + ``filtered`` + ``aborted`` are every prompt of the call, once."""
 
     @property
     def samples(self) -> list[Sample]:
