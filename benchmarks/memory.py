@@ -22,6 +22,7 @@ between runs whose float32 rounding differs (batching); tokens/s counts what eac
     python benchmarks/memory.py --json docs/results/memory.json
     python benchmarks/memory.py --json /tmp/memory.json --quick        # smoke test, about a minute
     python benchmarks/memory.py --json /tmp/m.json --parts layouts     # one comparison
+    python benchmarks/memory.py --json /tmp/m.json --parts sharing --prompts 16  # a quarter of the size
 """
 from __future__ import annotations
 
@@ -226,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2, help="torch threads in this process")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts per workload instead of each part's default (pools scale with it)")
     args = ap.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in PARTS]
@@ -237,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     sizes = QUICK if args.quick else FULL
+    if args.prompts is not None:  # the same shape at another size: pools and budgets scale along
+        scale = {part: args.prompts / p["prompts"] for part, p in sizes.items()}
+        sizes = {part: dict(p, prompts=args.prompts,
+                            **({"pool_tokens": int(p["pool_tokens"] * scale[part]) // PAGE_SIZE * PAGE_SIZE}
+                               if "pool_tokens" in p else {"budget_gib": p["budget_gib"]}))
+                 for part, p in sizes.items()}
     result = {"model": MODEL, "page_size": PAGE_SIZE, "quick": args.quick, "seed": args.seed,
               "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
     for part in parts:

@@ -29,7 +29,7 @@ from splash_rollout.rollout.streaming import ABORTED, FILTERED, KEPT, check_stre
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics
 from splash_rollout.rollout.validation import (agree_across_ranks, check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
-from splash_rollout.rollout.types import RolloutBatch, SampleGroup, SamplingParams
+from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams
 
 
 def derive_seed(*keys: int) -> int:
@@ -142,6 +142,62 @@ class RolloutEngine:
             check_stream_args(on_group, target_groups, poll_steps,
                               1 if isinstance(prompts, str) else len(prompts) if hasattr(prompts, "__len__") else None)
         requests, groups = self._make_requests(prompts, sampling)
+        return self._serve_call(requests, groups, on_group, target_groups, poll_steps)
+
+    def resume(self, samples: Sequence[Sample], max_off_policy_steps: int | None = None) -> RolloutBatch:
+        """Continue partial samples (finish_reason ``abort``, e.g. cut off by ``abort()`` or a streaming
+        call's target) under the current weights: each is prefilled with its prompt and the tokens it
+        has, then samples on with its own seed and draw counter, so the tokens it adds are the ones an
+        uninterrupted sample with that seed and history draws from these weights. ``token_versions``
+        records each token's weight version. With ``max_off_policy_steps=k`` a sample whose oldest
+        token is more than k versions old is not continued: it comes back in ``batch.dropped``.
+        ``batch.groups`` holds one group per continued sample (``prompt_index`` = its index here).
+        Every rank (torchrun) passes the same samples."""
+        self._check_usable("resume")
+        self._check_awake("resume")
+        if max_off_policy_steps is not None and (isinstance(max_off_policy_steps, bool)
+                                                 or not isinstance(max_off_policy_steps, int) or max_off_policy_steps < 0):
+            raise ValueError(f"max_off_policy_steps: expected an integer >= 0 or None, got {max_off_policy_steps!r}")
+        samples = list(samples)
+        for i, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise TypeError(f"samples[{i}]: expected a Sample, got {type(s).__name__}")
+            if s.finish_reason != "abort":
+                raise ValueError(f"samples[{i}]: finish_reason {s.finish_reason!r}; only aborted samples resume")
+            if s.spec is None:
+                raise ValueError(f"samples[{i}]: carries no sampling settings (spec); resume takes samples "
+                                 f"this engine returned")
+            if len(s.response_ids) >= s.spec.max_new_tokens:
+                raise ValueError(f"samples[{i}]: already has max_new_tokens={s.spec.max_new_tokens} tokens")
+            if len(s.prompt_ids) + len(s.response_ids) >= self.max_len:
+                raise ValueError(f"samples[{i}]: prompt + response ({len(s.prompt_ids) + len(s.response_ids)} tokens) "
+                                 f"already reach max_model_len {self.max_len}")
+        eos = tuple(self.model_config.eos_token_ids)
+        requests, groups, earlier, dropped = [], [], {}, []
+        for i, s in enumerate(samples):
+            versions = list(s.token_versions) if s.token_versions is not None else [s.weight_version] * len(s.response_ids)
+            if max_off_policy_steps is not None and versions and self.weight_version - min(versions) > max_off_policy_steps:
+                dropped.append(s)
+                continue
+            req = Request(self._next_request_id, list(s.prompt_ids), s.spec, self.max_len, eos,
+                          list(s.response_ids), list(s.response_logprobs))
+            self._next_request_id += 1
+            earlier[req.request_id] = versions
+            requests.append(req)
+            groups.append([req])
+        if not requests:
+            return RolloutBatch([], metrics={"rollout/stale_dropped": float(len(dropped))}, dropped=dropped)
+        self._check_admissible(requests, groups)
+        batch = self._serve_call(requests, groups, None, None, 1, earlier)
+        batch.dropped = dropped
+        batch.metrics["rollout/stale_dropped"] = float(len(dropped))
+        batch.metrics["rollout/resumed_samples"] = float(len(requests))
+        return batch
+
+    def _serve_call(self, requests: list[Request], groups: list[list[Request]], on_group, target_groups,
+                    poll_steps: int, earlier_versions: dict[int, list[int]] | None = None) -> RolloutBatch:
+        """Serve one call's requests on every rank and assemble its batch, timeline and metrics."""
+        streaming = on_group is not None or target_groups is not None
         t0 = time.perf_counter()
         with self._call_lock:
             self._in_call = requests
@@ -162,7 +218,7 @@ class RolloutEngine:
         if streaming:
             out, filtered, aborted = sorted_groups[KEPT], sorted_groups[FILTERED], sorted_groups[ABORTED]
         else:
-            out, filtered, aborted = [make_group(i, reqs, by_id, self.weight_version)
+            out, filtered, aborted = [make_group(i, reqs, by_id, self.weight_version, earlier_versions)
                                       for i, reqs in enumerate(groups)], [], []
         timeline = build_timeline(steps, switches, decisions)
         lens = [len(by_id[r.request_id].output_ids) for r in requests]

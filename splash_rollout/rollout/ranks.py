@@ -42,12 +42,18 @@ class RequestRecord:
     max_len: int
     eos_token_ids: tuple[int, ...]
 
+    output_ids: tuple[int, ...] = ()
+    """Tokens the sample already has (a resumed partial sample): prefilled, then continued."""
+    output_logprobs: tuple[float, ...] = ()
+
     @classmethod
     def of(cls, r: Request) -> "RequestRecord":
-        return cls(r.request_id, list(r.prompt_ids), r.spec, r.max_len, tuple(r.eos_token_ids))
+        return cls(r.request_id, list(r.prompt_ids), r.spec, r.max_len, tuple(r.eos_token_ids),
+                   tuple(r.output_ids), tuple(r.output_logprobs))
 
     def request(self) -> Request:
-        return Request(self.request_id, list(self.prompt_ids), self.spec, self.max_len, self.eos_token_ids)
+        return Request(self.request_id, list(self.prompt_ids), self.spec, self.max_len, self.eos_token_ids,
+                       list(self.output_ids), list(self.output_logprobs))
 
 
 @dataclass(frozen=True)

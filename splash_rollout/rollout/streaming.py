@@ -32,11 +32,18 @@ from splash_rollout.rollout.types import Sample, SampleGroup
 KEPT, FILTERED, ABORTED = "kept", "filtered", "aborted"
 
 
-def make_group(index: int, requests: list[Request], by_id: dict[int, RequestResult], version: int) -> SampleGroup:
-    """Group ``index`` of a call from its requests and their results."""
-    return SampleGroup(index, [Sample(list(r.prompt_ids), list(by_id[r.request_id].output_ids),
-                                      list(by_id[r.request_id].output_logprobs), by_id[r.request_id].finish_reason,
-                                      r.spec.seed, version, by_id[r.request_id].routing) for r in requests])
+def make_group(index: int, requests: list[Request], by_id: dict[int, RequestResult], version: int,
+               earlier_versions: dict[int, list[int]] | None = None) -> SampleGroup:
+    """Group ``index`` of a call from its requests and their results. ``earlier_versions``: request id
+    -> weight versions of the tokens a resumed sample brought in (the rest were sampled under ``version``)."""
+    samples = []
+    for r in requests:
+        res = by_id[r.request_id]
+        before = (earlier_versions or {}).get(r.request_id, [])
+        versions = list(before) + [version] * (len(res.output_ids) - len(before))
+        samples.append(Sample(list(r.prompt_ids), list(res.output_ids), list(res.output_logprobs), res.finish_reason,
+                              r.spec.seed, version, versions, r.spec, res.routing))
+    return SampleGroup(index, samples)
 
 
 # ---- what every rank runs (module level so they pickle by name) ----------------------------------------

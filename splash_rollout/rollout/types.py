@@ -88,6 +88,13 @@ class Sample:
     seed: int
     weight_version: int = 0
     """The ``update_weights`` version the sample was generated with."""
+    token_versions: list[int] | None = None
+    """[num_response_tokens] the weight version each response token was sampled under: all
+    ``weight_version`` for a sample generated in one call; a sample continued by
+    ``RolloutEngine.resume`` after ``update_weights`` keeps its earlier tokens' versions."""
+    spec: Any = None
+    """The engine's sampling settings of this sample (temperature, top-k/p, min-p, caps, stop ids,
+    seed): what ``RolloutEngine.resume`` continues it with."""
     routing: np.ndarray | None = None
     """``EngineConfig(return_routing=True)``: [num_prompt_tokens + num_response_tokens - 1 (the
     positions the engine ran; + 1 after ``error``), num_moe_layers, top_k] int16, row p the experts
@@ -137,6 +144,9 @@ class RolloutBatch:
     """Streaming calls: groups not used -- cut off when ``target_groups`` were kept (their unfinished
     samples have finish_reason ``abort``) or by ``abort()``, or done after the target was met.
     ``groups`` + ``filtered`` + ``aborted`` are every prompt of the call, once."""
+    dropped: list[Sample] = field(default_factory=list)
+    """``resume(..., max_off_policy_steps=k)``: samples not continued because their oldest token is
+    more than k weight versions old (returned as they were)."""
 
     @property
     def samples(self) -> list[Sample]:

@@ -1,0 +1,84 @@
+"""Partial rollout: samples cut off mid-call keep their tokens, logprobs and per-token weight
+versions, and ``resume`` continues them -- exactly as an uninterrupted sample would go on under the
+same weights, and under new weights with the new model's tokens; a staleness bound drops old ones."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+from splash_rollout.models.config import PRESETS
+from splash_rollout.models.model import MLAForCausalLM
+
+PROMPTS = [[5, 6, 7, 8] * 4, [9, 10, 11], [12] * 21, [3, 4] * 9]
+CFG = dict(model="glm5-nano", num_pages=256, page_size=8, max_num_batched_tokens=64, numerics="reproducible")
+
+
+def _per_prompt(params: SamplingParams) -> list[SamplingParams]:
+    """The first prompt's group is short: it finishes while the others are mid-response."""
+    return [dataclasses.replace(params, max_new_tokens=4)] + [params] * (len(PROMPTS) - 1)
+
+
+def _cut(engine: RolloutEngine, params: SamplingParams):
+    """A streaming call stopped once one group is done: the others come back aborted mid-response."""
+    batch = engine.generate(PROMPTS, _per_prompt(params), target_groups=1)
+    partial = [s for g in batch.aborted for s in g.samples if s.finish_reason == "abort"]
+    assert partial and all(0 < len(s.response_ids) < params.max_new_tokens for s in partial)
+    return partial
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_resumed_sample_is_the_uninterrupted_one(temperature):
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=24, ignore_eos=True, seed=4)
+    with RolloutEngine(EngineConfig(**CFG)) as engine:
+        whole = {(tuple(s.prompt_ids), s.seed): s for s in engine.generate(PROMPTS, _per_prompt(params)).samples}
+        partial = _cut(engine, params)
+        done = engine.resume(partial)
+    assert len(done.samples) == len(partial)
+    for before, after in zip(partial, done.samples):
+        want = whole[(tuple(before.prompt_ids), before.seed)]
+        assert after.response_ids[: len(before.response_ids)] == before.response_ids
+        assert after.response_ids == want.response_ids and after.response_logprobs == want.response_logprobs
+        assert after.finish_reason == "length" and after.token_versions == [0] * len(after.response_ids)
+
+
+def test_resumed_under_new_weights_continues_with_the_new_model_and_records_versions():
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20, ignore_eos=True, seed=2)
+    new = MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=9).eval()
+    with RolloutEngine(EngineConfig(**CFG)) as engine:
+        partial = _cut(engine, params)
+        engine.update_weights(new.state_dict(), version=1)
+        done = engine.resume(partial)
+    for before, after in zip(partial, done.samples):
+        k = len(before.response_ids)
+        assert after.response_ids[:k] == before.response_ids and after.response_logprobs[:k] == before.response_logprobs
+        assert after.token_versions == [0] * k + [1] * (len(after.response_ids) - k)
+        # the continuation is the new model's greedy choice after the whole history, token by token
+        ids = torch.tensor([after.prompt_ids + after.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(new(ids).float(), -1)[0]
+        p = len(after.prompt_ids)
+        for j in range(k, len(after.response_ids)):
+            row = logp[p + j - 1]
+            assert after.response_ids[j] == int(row.argmax())
+            assert abs(after.response_logprobs[j] - float(row[after.response_ids[j]])) < 1e-4
+
+
+def test_staleness_bound_drops_old_samples_and_bad_input_is_refused():
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=2)
+    with RolloutEngine(EngineConfig(**CFG)) as engine:
+        partial = _cut(engine, params)
+        weights = MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0).state_dict()
+        engine.update_weights(weights, version=1)
+        engine.update_weights(weights, version=2)
+        kept = engine.resume(partial, max_off_policy_steps=2)
+        assert len(kept.samples) == len(partial) and not kept.dropped
+        engine.update_weights(weights, version=3)
+        late = engine.resume(partial, max_off_policy_steps=2)
+        assert late.samples == [] and late.dropped == partial and late.metrics["rollout/stale_dropped"] == len(partial)
+        with pytest.raises(ValueError, match=r"samples\[0\]: finish_reason 'length'"):
+            engine.resume(kept.samples)
+        with pytest.raises(ValueError, match="max_off_policy_steps"):
+            engine.resume(partial, max_off_policy_steps=-1)
