@@ -8,6 +8,7 @@ business (``rollout/ranks.py``); every method here has one code path.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -192,6 +193,37 @@ class RolloutEngine:
         batch.dropped = dropped
         batch.metrics["rollout/stale_dropped"] = float(len(dropped))
         batch.metrics["rollout/resumed_samples"] = float(len(requests))
+        return batch
+
+    def continue_samples(self, samples: Sequence[Sample], appended: Sequence[Sequence[int]],
+                         sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> RolloutBatch:
+        """Multi-turn: sample i's history (its prompt and response) plus ``appended[i]`` (a tool or
+        environment reply, token ids) is the context of its next turn, and ``sampling`` (as in
+        ``generate``; ``n`` continuations each) samples that turn. Each returned sample keeps the
+        first turn's prompt and carries the whole trajectory as its response: earlier turns, the
+        appended tokens (``loss_mask`` 0, logprob 0.0) and the new turn (``loss_mask`` 1), so a trainer
+        sees one sequence with the environment's tokens masked out. Group i holds sample i's
+        continuations. The earlier turns are prefilled again (their KV is reused only while another
+        sample of the same context is live in the engine)."""
+        samples, appended = list(samples), [list(a) for a in appended]
+        if len(appended) != len(samples):
+            raise ValueError(f"appended: expected one token list per sample ({len(samples)}), got {len(appended)}")
+        for i, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise TypeError(f"samples[{i}]: expected a Sample, got {type(s).__name__}")
+            if s.finish_reason == "error":
+                raise ValueError(f"samples[{i}]: finish_reason 'error' (its logits were not finite); not continued")
+        contexts = [list(s.prompt_ids) + list(s.response_ids) + a for s, a in zip(samples, appended)]
+        batch = self.generate(contexts, sampling)
+        for g, s, a in zip(batch.groups, samples, appended):
+            before = s.token_versions if s.token_versions is not None else [s.weight_version] * len(s.response_ids)
+            for k, new in enumerate(g.samples):
+                g.samples[k] = dataclasses.replace(
+                    new, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids) + a + new.response_ids,
+                    response_logprobs=list(s.response_logprobs) + [0.0] * len(a) + new.response_logprobs,
+                    response_mask=s.loss_mask + [0] * len(a) + [1] * len(new.response_ids),
+                    token_versions=list(before) + [self.weight_version] * (len(a) + len(new.response_ids)),
+                    routing=None)
         return batch
 
     def _serve_call(self, requests: list[Request], groups: list[list[Request]], on_group, target_groups,

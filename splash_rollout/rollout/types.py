@@ -101,10 +101,14 @@ class Sample:
     the token at position p was routed to in each MoE layer -- the routing behind the logits of token
     p + 1. None when not requested."""
 
+    response_mask: list[int] | None = None
+    """[num_response_tokens] 1 for sampled tokens, 0 for tokens a tool or environment appended between
+    turns (``RolloutEngine.continue_samples``); None: every token was sampled."""
+
     @property
     def loss_mask(self) -> list[int]:
-        """[num_response_tokens] 1 for every generated token (no tool / env tokens yet)."""
-        return [1] * len(self.response_ids)
+        """[num_response_tokens] 1 for every token the policy sampled, 0 for appended (tool / env) tokens."""
+        return list(self.response_mask) if self.response_mask is not None else [1] * len(self.response_ids)
 
 
 @dataclass

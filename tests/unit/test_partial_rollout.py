@@ -82,3 +82,24 @@ def test_staleness_bound_drops_old_samples_and_bad_input_is_refused():
             engine.resume(kept.samples)
         with pytest.raises(ValueError, match="max_off_policy_steps"):
             engine.resume(partial, max_off_policy_steps=-1)
+
+
+def test_multi_turn_continuation_masks_the_environment_and_equals_a_fresh_call():
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5)
+    with RolloutEngine(EngineConfig(**CFG)) as engine:
+        first = engine.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_new_tokens=5, seed=1)).samples
+        reply = [[40, 41, 42], [43]]  # what a tool answered
+        turn = engine.continue_samples(first, reply, params)
+        fresh = engine.generate([s.prompt_ids + s.response_ids + r for s, r in zip(first, reply)], params)
+    assert [len(g.samples) for g in turn.groups] == [2, 2]
+    for g, f, s, r in zip(turn.groups, fresh.groups, first, reply):
+        for got, want in zip(g.samples, f.samples):
+            k, a = len(s.response_ids), len(r)
+            assert got.prompt_ids == s.prompt_ids
+            assert got.response_ids == s.response_ids + r + want.response_ids
+            assert got.loss_mask == [1] * k + [0] * a + [1] * len(want.response_ids)
+            assert got.response_logprobs[k + a:] == want.response_logprobs and got.response_logprobs[k:k + a] == [0.0] * a
+    with pytest.raises(ValueError, match="appended: expected one token list per sample"):
+        engine_args = EngineConfig(**CFG)
+        with RolloutEngine(engine_args) as engine:
+            engine.continue_samples(first, [[1]], params)
