@@ -18,6 +18,11 @@ WALL_CLOCK_PREFIXES = ("timing_s/", "perf/tokens_per_s", "layout/time_share/", "
                        "memory/rss")
 
 
+ENGINE_MEMORY_KEYS = ("rollout/retractions", "rollout/prefix_hit_tokens", "rollout/prefill_rows",
+                      "memory/kv_used_peak", "memory/kv_used_mean")
+"""The engine's KV memory records of a rollout call, passed through to the step's record."""
+
+
 def is_wall_clock(key: str) -> bool:
     return key.startswith(WALL_CLOCK_PREFIXES)
 
@@ -44,6 +49,7 @@ def step_metrics(batch: RolloutBatch, rewards: torch.Tensor, scored: Rewards,
     for r in ("stop", "length", "abort"):
         out[f"rollout/finish_reason/{r}"] = reasons.count(r) / len(reasons)
     out.update(layout_metrics(timeline))
+    out.update({k: v for k, v in batch.metrics.items() if k in ENGINE_MEMORY_KEYS})
     out.update(timings)
     return out
 
