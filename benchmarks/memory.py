@@ -145,16 +145,23 @@ def run_single(work: dict, settings: EngineSettings, seed: int) -> dict:
             "group_peak_pages": [peak_group.get(tuple(p), 0) for p in work["prompts"]], "response_len": lengths(out)}
 
 
-def part_sharing(p: dict, args) -> dict:
-    work = workload(p, args, args.seed)
+def single_rank_runs(part: str, work: dict, p: dict, args, variants: dict[str, dict]) -> dict[str, dict]:
+    """One engine run per variant (EngineSettings overrides) on the same workload and pool."""
     runs = {}
-    for name, sharing in (("shared", True), ("unshared", False)):
+    for name, overrides in variants.items():
         settings = EngineSettings(num_pages=p["pool_tokens"] // PAGE_SIZE, page_size=PAGE_SIZE,
                                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  prefix_sharing=sharing)
-        runs[name] = run_single(work, settings, args.seed)
-        print(f"  sharing/{name}: {runs[name]['tokens_per_s']:.1f} tok/s, peak pages per group "
-              f"{runs[name]['peak_pages_per_group']}", file=sys.stderr)
+                                  **overrides)
+        r = runs[name] = run_single(work, settings, args.seed)
+        print(f"  {part}/{name}: {r['tokens_per_s']:.1f} tok/s, mean running {r['mean_running']:.1f}, "
+              f"retractions {r['retractions']}, peak pages per group {r['peak_pages_per_group']}", file=sys.stderr)
+    return runs
+
+
+def part_sharing(p: dict, args) -> dict:
+    work = workload(p, args, args.seed)
+    runs = single_rank_runs("sharing", work, p, args, {"shared": {"prefix_sharing": True},
+                                                      "unshared": {"prefix_sharing": False}})
     s, u = runs["shared"], runs["unshared"]
     return {"workload": describe(work), "runs": runs,
             "ratio_tokens_per_s": s["tokens_per_s"] / u["tokens_per_s"],
@@ -166,14 +173,8 @@ def part_sharing(p: dict, args) -> dict:
 
 def part_admission(p: dict, args) -> dict:
     work = workload(p, args, args.seed + 1)
-    runs = {}
-    for mode in ("optimistic", "worst_case"):
-        settings = EngineSettings(num_pages=p["pool_tokens"] // PAGE_SIZE, page_size=PAGE_SIZE,
-                                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  admission=AdmissionSettings(mode=mode))
-        runs[mode] = run_single(work, settings, args.seed)
-        print(f"  admission/{mode}: {runs[mode]['tokens_per_s']:.1f} tok/s, mean running "
-              f"{runs[mode]['mean_running']:.1f}, retractions {runs[mode]['retractions']}", file=sys.stderr)
+    runs = single_rank_runs("admission", work, p, args,
+                            {mode: {"admission": AdmissionSettings(mode=mode)} for mode in ("optimistic", "worst_case")})
     o, w = runs["optimistic"], runs["worst_case"]
     return {"workload": describe(work), "runs": runs,
             "ratio_mean_running": o["mean_running"] / w["mean_running"],
