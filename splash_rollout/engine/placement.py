@@ -78,6 +78,12 @@ class KVPlacement:
         ownership = (layout or self.layout).ownership
         return pages_on_each_rank(num_logical_pages, ownership, owner, self.world_size)
 
+    def pages_between(self, first: int, last: int, owner: int, layout: Layout | None = None) -> list[int]:
+        """[T] pages each rank stores of a history's logical pages [first, last) (0 where last <= first)."""
+        if last <= first:
+            return [0] * self.world_size
+        return [b - a for a, b in zip(self.on_each_rank(first, owner, layout), self.on_each_rank(last, owner, layout))]
+
     def owners_by_balance(self) -> list[int]:
         """Ranks in the order a new owner is chosen: least projected KV first."""
         return sorted(range(self.world_size), key=lambda r: (self.projected_tokens[r], r))
@@ -130,12 +136,7 @@ class KVPlacement:
     # ---- growth and release -----------------------------------------------------------------
     def growth(self, request: Request, num_tokens: int) -> list[int]:
         """[T] new pages each rank must hand out for the request to hold positions [0, num_tokens)."""
-        have = request.num_logical_pages
-        want = num_pages_for(num_tokens, self.page_size)
-        if want <= have:
-            return [0] * self.world_size
-        before, after = self.on_each_rank(have, request.owner), self.on_each_rank(want, request.owner)
-        return [a - b for a, b in zip(after, before)]
+        return self.pages_between(request.num_logical_pages, num_pages_for(num_tokens, self.page_size), request.owner)
 
     def grow(self, request: Request, num_tokens: int) -> None:
         """Give the request pages for positions [0, num_tokens) (the scheduler checked they are free)."""

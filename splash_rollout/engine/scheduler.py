@@ -152,10 +152,8 @@ class Scheduler:
     def _expected_pages(self, req: Request, have_pages: int, layout: Layout | None = None) -> list[int]:
         """[T] pages each rank is expected to still hand out to ``req`` beyond its first ``have_pages``
         (in ``layout``, by default the current one)."""
-        want = max(have_pages, num_pages_for(self.expected_total(req), self.placement.page_size))
-        after = self.placement.on_each_rank(want, req.owner, layout)
-        before = self.placement.on_each_rank(have_pages, req.owner, layout)
-        return [a - b for a, b in zip(after, before)]
+        want = num_pages_for(self.expected_total(req), self.placement.page_size)
+        return self.placement.pages_between(have_pages, want, req.owner, layout)
 
     def pages_promised(self, layout: Layout | None = None) -> list[int]:
         """[T] pages the running requests are expected to still take on each rank (in ``layout``, by
@@ -227,8 +225,8 @@ class Scheduler:
         for req, n in plan:
             need = [a + b for a, b in zip(need, p.growth(req, req.num_computed_tokens + n))]
             if req.forks and req.num_computed_tokens + n == req.num_tokens and req.num_prompt_tokens % p.page_size:
-                copy = [a - b for a, b in zip(p.on_each_rank(req.num_prompt_tokens // p.page_size + 1, req.owner),
-                                              p.on_each_rank(req.num_prompt_tokens // p.page_size, req.owner))]
+                last = req.num_prompt_tokens // p.page_size  # the partly filled page each follower copies
+                copy = p.pages_between(last, last + 1, req.owner)
                 need = [a + len(req.forks) * c for a, c in zip(need, copy)]
         return need
 
