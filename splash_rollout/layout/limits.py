@@ -68,7 +68,10 @@ def longest_feasible_input(layout: Layout, pool_tokens_per_rank: int, world_size
 
     if pool_tokens_per_rank <= 0 or not ok(1):
         return 0
-    lo, hi = 1, 2 * pool_tokens_per_rank * world_size + 2  # every request holds at least L/2 tokens
+    # the busiest rank holds at least the mean of the cohort's B * (floor(L/2) + output_min) tokens
+    # over the T ranks, so any longer L fails in every cohort
+    lo = 1
+    hi = max(lo, 2 * (pool_tokens_per_rank * world_size // batch - spec.output_min) + 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if ok(mid):
