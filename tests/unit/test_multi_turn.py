@@ -156,3 +156,44 @@ def test_timelines_are_laid_end_to_end():
     assert [(p["t_start"], p["t_end"]) for p in m.phases] == [(0.0, 1.0), (1.0, 1.5)]
     assert m.phases[1]["batch_curve"] == [[1.0, 2], [1.5, 0]]
     assert [s["step"] for s in m.switches] == [2, 5]
+
+
+def test_a_policy_taught_to_call_gets_the_calculators_replies():
+    """A policy overfit on two demonstrations calls the calculator; each trajectory holds its call,
+    the evaluator's reply to exactly that call (masked), and its answer turn."""
+    import re
+
+    from recipes.grpo.task_data import Example
+    from recipes.grpo.tool_demos import sft_target
+    from recipes.grpo.tool_env import CalculatorEnv, ToolConfig
+    from recipes.grpo.trainer import Trainer, TrainerConfig
+    from splash_rollout.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("glm5-nano")
+    env = CalculatorEnv(ToolConfig(sft_demo_fraction=1.0), tok)
+    examples = [Example(tok.encode(p), {"prompt": p}, None, None, "sft", i) for i, p in enumerate(["3+4+2=?", "9-5-1=?"])]
+    targets = [sft_target(ex, tok, env) for ex in examples]
+    trainer = Trainer(MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0), TrainerConfig(backend="torch", lr=3e-3))
+    mb = collate([ex.prompt_ids for ex in examples], [t[0] for t in targets], 2, response_mask=[t[1] for t in targets])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: 10x faster than oversubscribed cores under load
+    try:
+        for _ in range(100):
+            trainer.optimizer_step([mb], lambda lp, b: (-(lp * b.loss_mask).sum() / b.loss_mask.sum(), {}), temperature=1.0)
+    finally:
+        torch.set_num_threads(threads)
+    with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=256, page_size=8, numerics="reproducible")) as engine:
+        engine.update_weights(trainer.named_weights(), version=1)
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=32, stop_token_ids=tuple(tok.eos_token_ids))
+        batch = multi_turn_generate(engine, env, [ex.prompt_ids for ex in examples], params, max_turns=3)
+    texts = [tok.decode(s.response_ids) for s in batch.samples]
+    assert batch.metrics["tool/calls_per_sample"] == 1.0 and batch.metrics["tool/turns_mean"] == 2.0, texts
+    for s in batch.samples:
+        k = s.loss_mask.index(0)
+        call, rest = tok.decode(s.response_ids[:k]), s.response_ids[k:]
+        assert re.fullmatch(r"calc\[[0-9+\-*/]+\]", call), call
+        reply = tok.encode(env.reply_text(call)[0])
+        assert rest[:len(reply)] == reply and s.loss_mask[k:k + len(reply)] == [0] * len(reply)
+        assert all(m == 1 for m in s.loss_mask[k + len(reply):]) and s.finish_reason == "stop"
+        assert s.token_versions == [1] * len(s.response_ids)
+    assert texts == ["calc[3+4+2]=9\n#9", "calc[9-5-1]=3\n#3"]
