@@ -59,6 +59,15 @@ def _turns(sample):
 
 @pytest.fixture(scope="module")
 def rolled():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: much faster than oversubscribed cores under load
+    try:
+        yield _roll()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _roll():
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=11)
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=512, page_size=8, numerics="reproducible")) as engine:
         engine.update_weights(MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0).state_dict(), version=3)
