@@ -10,7 +10,7 @@ import torch
 from recipes.grpo.loss import GRPOLossConfig, grpo_loss
 from recipes.grpo.multi_turn import MultiTurnEngine, merge_timelines, multi_turn_generate
 from recipes.grpo.trainer import collate
-from recipes.grpo.update import _response_mask
+from recipes.grpo.update import UpdateConfig, _response_mask, grpo_update
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
@@ -55,6 +55,17 @@ def _turns(sample):
             i += len(reply)
         out.append((turn, reply))
     return out
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """A Trainer joins a 1-rank default group; leave none behind for later tests."""
+    import torch.distributed as dist
+
+    was = dist.is_initialized()
+    yield
+    if not was and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +150,40 @@ def test_masked_tokens_get_no_gradient_and_no_loss(rolled):
     shifted[env_positions] += 5.0
     loss2, _ = grpo_loss(shifted, old, adv, mb.loss_mask, GRPOLossConfig(kl_coef=0.0), normalizer=10.0)
     assert torch.equal(loss.detach(), loss2)
+
+
+def test_grpo_update_ignores_what_the_environment_tokens_hold(rolled):
+    """One GRPO step through the trainer: garbage logprobs on the replies change nothing; training
+    the replies as if sampled does change the weights (the test can fail)."""
+    import copy
+
+    from recipes.grpo.trainer import Trainer, TrainerConfig
+
+    batch = rolled[0]
+    assert any(0 in s.loss_mask for s in batch.samples)
+    advantages = torch.linspace(-1, 1, len(batch.samples)).view(len(batch.groups), -1)
+
+    def step(b):
+        trainer = Trainer(MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0),
+                          TrainerConfig(backend="torch", lr=1e-2))
+        grpo_update(trainer, b, advantages, UpdateConfig(loss=GRPOLossConfig(), micro_batch_size=16, max_new_tokens=20),
+                    pad_id=2, step=0)
+        return trainer.named_weights()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = step(batch)
+        garbled, unmasked = copy.deepcopy(batch), copy.deepcopy(batch)
+        for s in garbled.samples:
+            s.response_logprobs = [lp if m else -30.0 for lp, m in zip(s.response_logprobs, s.loss_mask)]
+        for s in unmasked.samples:
+            s.response_mask = None
+        same, moved = step(garbled), step(unmasked)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(base[k], same[k]) for k in base)
+    assert not all(torch.equal(base[k], moved[k]) for k in base)
 
 
 def test_one_turn_is_a_plain_generate_and_bad_input_is_refused():
