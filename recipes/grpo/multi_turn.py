@@ -149,7 +149,8 @@ class MultiTurnEngine:
             raise ValueError("multi-turn generate: streaming options (on_group, target_groups, poll_steps) are not "
                              "supported with a tool; set grpo.oversample_groups=null")
         if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"multi-turn generate: sampling: expected one SamplingParams, got {type(sampling).__name__}")
+            raise TypeError(f"multi-turn generate: sampling: expected one SamplingParams, "
+                            f"got {type(sampling).__name__}")
         return multi_turn_generate(self._engine, self._env, prompts, sampling or SamplingParams(), self._max_turns)
 
     def __getattr__(self, name: str):

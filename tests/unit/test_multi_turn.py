@@ -202,9 +202,11 @@ def test_one_turn_is_a_plain_generate_and_bad_input_is_refused():
 
 
 def test_timelines_are_laid_end_to_end():
-    a = Timeline(phases=[{"layout": "tp", "t_start": 0.0, "t_end": 1.0, "steps": 4, "batch_curve": [[0.0, 8], [1.0, 2]]}],
+    a = Timeline(phases=[{"layout": "tp", "t_start": 0.0, "t_end": 1.0, "steps": 4,
+                          "batch_curve": [[0.0, 8], [1.0, 2]]}],
                  switches=[{"step": 2, "src": "dp", "dst": "tp"}])
-    b = Timeline(phases=[{"layout": "tp", "t_start": 0.0, "t_end": 0.5, "steps": 3, "batch_curve": [[0.0, 2], [0.5, 0]]}],
+    b = Timeline(phases=[{"layout": "tp", "t_start": 0.0, "t_end": 0.5, "steps": 3,
+                          "batch_curve": [[0.0, 2], [0.5, 0]]}],
                  switches=[{"step": 1, "src": "tp", "dst": "dop"}])
     m = merge_timelines([a, b])
     assert [(p["t_start"], p["t_end"]) for p in m.phases] == [(0.0, 1.0), (1.0, 1.5)]
@@ -225,7 +227,8 @@ def test_a_policy_taught_to_call_gets_the_calculators_replies():
 
     tok = load_tokenizer("glm5-nano")
     env = CalculatorEnv(ToolConfig(sft_demo_fraction=1.0), tok)
-    examples = [Example(tok.encode(p), {"prompt": p}, None, None, "sft", i) for i, p in enumerate(["3+4+2=?", "9-5-1=?"])]
+    examples = [Example(tok.encode(p), {"prompt": p}, None, None, "sft", i)
+                for i, p in enumerate(["3+4+2=?", "9-5-1=?"])]
     targets = [sft_target(ex, tok, env) for ex in examples]
     trainer = Trainer(MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0), TrainerConfig(backend="torch", lr=3e-3))
     mb = collate([ex.prompt_ids for ex in examples], [t[0] for t in targets], 2, response_mask=[t[1] for t in targets])
@@ -233,7 +236,8 @@ def test_a_policy_taught_to_call_gets_the_calculators_replies():
     torch.set_num_threads(1)  # one thread: 10x faster than oversubscribed cores under load
     try:
         for _ in range(100):
-            trainer.optimizer_step([mb], lambda lp, b: (-(lp * b.loss_mask).sum() / b.loss_mask.sum(), {}), temperature=1.0)
+            trainer.optimizer_step([mb], lambda lp, b: (-(lp * b.loss_mask).sum() / b.loss_mask.sum(), {}),
+                                   temperature=1.0)
     finally:
         torch.set_num_threads(threads)
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=256, page_size=8, numerics="reproducible")) as engine:
