@@ -15,6 +15,7 @@ from recipes.grpo.loss import GRPOLossConfig
 from recipes.grpo.rollout_correction import RolloutCorrectionConfig
 from recipes.grpo.schedule import LRSchedule
 from recipes.grpo.sft import SFTConfig
+from recipes.grpo.tool_env import CalculatorEnv, ToolConfig
 from recipes.grpo.trainer import TrainerConfig
 from splash_rollout.models.config import PRESETS, resolve_model
 from splash_rollout.models.model import MLAForCausalLM
@@ -145,3 +146,24 @@ def eval_config(cfg: DictConfig) -> EvalConfig:
     return EvalConfig(every=int(e.every), max_prompts=e.max_prompts, max_new_tokens=int(e.max_new_tokens),
                       n=int(e.n), k=tuple(int(x) for x in k), temperature=float(e.temperature),
                       seed=int(cfg.seed) * 7_919 + 17)
+
+
+def tool_env(cfg: DictConfig, tokenizer) -> CalculatorEnv | None:
+    """``tool.*`` (absent or ``tool.enabled=false``: single-turn rollouts): the calculator the policy
+    may call between turns. Refused with over-sampling (a group's samples finish in different turns)
+    and, when SFT writes calculator demonstrations, with data other than the arithmetic chains."""
+    t = cfg.get("tool")
+    if not t or not t.get("enabled", True):
+        return None
+    given = {k: v for k, v in OmegaConf.to_container(t, resolve=True).items() if k != "enabled"}
+    known = set(ToolConfig.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"tool: unknown option(s) {unknown}; expected some of {sorted(known)} or enabled")
+    config = ToolConfig(**given)
+    if cfg.grpo.get("oversample_groups"):
+        raise ValueError("tool: multi-turn rollouts do not combine with grpo.oversample_groups; set it to null")
+    if cfg.sft.steps > 0 and config.sft_demo_fraction > 0 and cfg.data.kind != "arith_chain":
+        raise ValueError(f"tool.sft_demo_fraction > 0 writes calculator demonstrations of arithmetic chains, "
+                         f"but data.kind is {cfg.data.kind!r}; set tool.sft_demo_fraction=0 or data=arith_chain")
+    return CalculatorEnv(config, tokenizer)

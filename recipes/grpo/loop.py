@@ -36,13 +36,15 @@ from recipes.grpo import checkpoint as ckpt
 from recipes.grpo.dynamic_sampling import GroupScorer, oversample_metrics
 from recipes.grpo.build import (build_engine, build_engine_with_weights, build_policy, eval_config, load_reference,
                                 loss_config, lr_schedule, max_prompt_len, model_source, oversample_config,
-                                sft_config, trainer_config)
+                                sft_config, tool_env, trainer_config)
 from recipes.grpo.evaluation import evaluate
 from recipes.grpo.loss import group_advantages
 from recipes.grpo.metrics import memory_metrics, step_metrics
+from recipes.grpo.multi_turn import MultiTurnEngine
 from recipes.grpo.reward_fns import RewardFunction, Rewards
 from recipes.grpo.sft import run_sft
 from recipes.grpo.task_data import Example, PromptOrder, build_task_data
+from recipes.grpo.tool_demos import sft_target
 from recipes.grpo.trainer import Trainer
 from recipes.grpo.update import UpdateConfig, grpo_update, reference_logprobs, shape_rewards
 from splash_rollout.models.tokenizer import load_tokenizer
@@ -109,6 +111,7 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     resume = cfg.get("resume")
     do_sft = not resume and not s.get("load") and sft_cfg.steps > 0
     oversample = oversample_config(cfg)
+    tools = tool_env(cfg, tokenizer)  # tool.*: multi-turn rollouts with a calculator (recipes/grpo/multi_turn.py)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
                            sft_examples=sft_cfg.steps * sft_cfg.batch_size if do_sft else 0,
                            fresh_prompts=g.steps * (oversample.oversample_groups if oversample else g.prompts_per_step))
@@ -144,7 +147,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         trainer.load_optimizer_state(restored[1]["optimizer"])
     elif do_sft:
         sft_summary = run_sft(trainer, tokenizer, data.sft, sft_cfg, cfg.trainer.micro_batch_size,
-                              log=lambda m, i: log_sft(sink, m, i, rank, cfg.logger.log_sft))
+                              log=lambda m, i: log_sft(sink, m, i, rank, cfg.logger.log_sft),
+                              targets=(lambda ex: sft_target(ex, tokenizer, tools)) if tools else None)
         if rank == 0 and s.get("save", True):
             torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
         trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
@@ -169,6 +173,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         start, version, cursor, timelines = state.step, state.weight_version, state.data_cursor, files["timelines"]
         ckpt.set_rng_states(files["rng"])
     engine = build_engine_with_weights(cfg, trainer.named_weights(), version=version)
+    if tools is not None:  # generate (rollouts and eval) now answers calculator calls between turns
+        engine = MultiTurnEngine(engine, tools, tools.config.max_turns)
     order = PromptOrder(len(data.train), bool(cfg.data.get("shuffle", False)), int(cfg.data.get("seed", 0)), cursor)
     sampling = SamplingParams(n=g.n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
                               stop_token_ids=stop_ids)

@@ -42,10 +42,12 @@ def nll_loss(normalizer: float) -> Callable[[torch.Tensor, TrainBatch], tuple[to
 
 
 def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SFTConfig, micro_batch_size: int,
-            log: Callable[[dict[str, float], int], None] | None = None) -> dict[str, float]:
+            log: Callable[[dict[str, float], int], None] | None = None,
+            targets: Callable[[Example], tuple[list[int], list[int]]] | None = None) -> dict[str, float]:
     """Train on ``prompt ids -> target<eos>`` (``Example.prompt_ids`` as the engine will see them,
     so a chat template's ids are what SFT teaches), cycling through ``examples``; returns the last
-    logged loss and the time taken."""
+    logged loss and the time taken. ``targets(example) -> (ids, loss mask)`` replaces the target
+    (eos included), e.g. a tool demonstration whose environment replies carry mask 0."""
     eos = tokenizer.eos_token_ids[0]
     rank, world = trainer.rank, trainer.world_size
     t0, last = time.perf_counter(), {}
@@ -53,12 +55,17 @@ def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SF
         start = (step * config.batch_size) % len(examples)
         rows = [examples[(start + i) % len(examples)] for i in range(config.batch_size)]
         prompts = [ex.prompt_ids for ex in rows]
-        responses = [tokenizer.encode(ex.target) + [eos] for ex in rows]
+        if targets is None:
+            responses = [tokenizer.encode(ex.target) + [eos] for ex in rows]
+            masks = [[1] * len(r) for r in responses]
+        else:
+            responses, masks = map(list, zip(*(targets(ex) for ex in rows)))
         # token mean over the whole batch (all ranks); gradients are averaged over ranks, hence * world
-        normalizer = sum(len(r) for r in responses) / world
+        normalizer = sum(sum(m) for m in masks) / world
         mine = list(range(rank, len(prompts), world))
         micro = [collate([prompts[i] for i in mine[k:k + micro_batch_size]],
-                         [responses[i] for i in mine[k:k + micro_batch_size]], tokenizer.pad_token_id)
+                         [responses[i] for i in mine[k:k + micro_batch_size]], tokenizer.pad_token_id,
+                         response_mask=[masks[i] for i in mine[k:k + micro_batch_size]])
                  for k in range(0, len(mine), micro_batch_size)]
         trainer.set_lr(lr_at(step, config))
         stats = trainer.optimizer_step(micro, nll_loss(normalizer), temperature=1.0)
