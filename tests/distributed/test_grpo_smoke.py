@@ -6,16 +6,7 @@ import os
 import pytest
 import torch
 
-@pytest.fixture(autouse=True)
-def _no_leftover_process_group():
-    """The in-process Trainer joins a 1-rank default group; leave none behind for later tests."""
-    import torch.distributed as dist
-
-    was = dist.is_initialized()
-    yield
-    if not was and dist.is_initialized():
-        dist.destroy_process_group()
-
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 REQUIRED = ("step", "reward/mean", "rollout/response_len/mean", "perf/tokens_per_s", "layout/switches",
             "train/loss", "train/clip_frac", "train/grad_norm", "timing_s/rollout")

@@ -47,18 +47,8 @@ def test_scorer_keeps_scores_of_kept_groups_in_their_order():
     assert scorer.rewards_of(kept).reward == [0.0, 1.0, 1.0, 0.0]
 
 
-@pytest.fixture
-def _no_leftover_process_group():
-    import torch.distributed as dist
-
-    was = dist.is_initialized()
-    yield
-    if not was and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(120)
-def test_recipe_trains_on_the_first_groups_that_pass(tmp_path, _no_leftover_process_group):
+def test_recipe_trains_on_the_first_groups_that_pass(tmp_path, no_leftover_process_group):
     from splash_rollout.run import compose_config, launch
 
     cfg = compose_config(["+recipe=grpo_glm5", "sft.steps=0", "grpo.steps=2", "grpo.prompts_per_step=2",

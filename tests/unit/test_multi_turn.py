@@ -16,6 +16,8 @@ from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.rollout.types import Timeline
 
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
+
 PROMPTS = [[5, 6, 7, 8] * 3, [9, 10, 11], [12] * 9]
 CALL_IDS = tuple(range(100, 260))
 """A stand-in tool: a random-init model ends a turn on one of these ~31% of tokens."""
@@ -55,17 +57,6 @@ def _turns(sample):
             i += len(reply)
         out.append((turn, reply))
     return out
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_process_group():
-    """A Trainer joins a 1-rank default group; leave none behind for later tests."""
-    import torch.distributed as dist
-
-    was = dist.is_initialized()
-    yield
-    if not was and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,7 @@ from recipes.grpo.reward_fns import RewardError, RewardFnError
 from recipes.grpo.rows import DataRowError, EmptySplitError
 from splash_rollout.run import compose_config
 
-
-@pytest.fixture(autouse=True)
-def _no_leftover_process_group():
-    import torch.distributed as dist
-
-    was = dist.is_initialized()
-    yield
-    if not was and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 
 @pytest.fixture

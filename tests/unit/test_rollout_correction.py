@@ -90,19 +90,7 @@ def test_bad_options_name_the_field(kwargs, field):
         RolloutCorrectionConfig(**kwargs)
 
 
-@pytest.fixture
-def _no_leftover_process_group():
-    import torch.distributed as dist
-
-    was, threads = dist.is_initialized(), torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only contend
-    yield
-    torch.set_num_threads(threads)
-    if not was and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def test_update_masks_on_trainer_logprobs(_no_leftover_process_group):
+def test_update_masks_on_trainer_logprobs(no_leftover_process_group, one_torch_thread):
     """The importance ratio is the trainer's logprob before the step over the rollout's: rollout
     logprobs 1 nat below the trainer's give ratio e on every token, a mask [0.5, 2] drops all of
     them, so the step has zero gradient and AdamW leaves the weights where they were."""

@@ -11,23 +11,14 @@ from recipes.grpo.build import tool_env
 from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.run import compose_config
 
+pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
+
 TOOL_KEYS = ("tool/calls_per_sample", "tool/samples_calling", "tool/turns_mean", "tool/errors", "tool/env_tokens",
              "tool/cut_by_limit")
 TINY = ["+recipe=grpo_glm5_tool", "sft.steps=3", "sft.batch_size=8", "sft.warmup_steps=1", "grpo.steps=2",
         "grpo.prompts_per_step=3", "grpo.n=3", "grpo.max_new_tokens=24", "trainer.micro_batch_size=9",
         "data.eval_size=3", "eval.every=2", "eval.max_new_tokens=24", "logger=none", "engine.world_size=1",
         "hardware.threads=1", "sft.save=false"]
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_process_group():
-    """The in-process Trainer joins a 1-rank default group; leave none behind for later tests."""
-    import torch.distributed as dist
-
-    was = dist.is_initialized()
-    yield
-    if not was and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(300)
