@@ -17,6 +17,7 @@ rank counts do not change the gradient.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
@@ -127,6 +128,10 @@ class Trainer:
         if config.backend == "deepspeed":
             import deepspeed
 
+            # ZeRO-2's gathers call the collective torch renamed in 2.13 (all_gather_into_tensor ->
+            # all_gather_single); the FutureWarning it prints on every rank says nothing to a user of the recipe
+            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                                    category=FutureWarning)
             # DeepSpeed reads the local rank from the environment (torchrun sets it); a spawned or
             # lone process sets its own. Only LOCAL_RANK: RANK / WORLD_SIZE would look like torchrun.
             os.environ.setdefault("LOCAL_RANK", str(rank))
