@@ -2,11 +2,13 @@
 
 The workload is the default recipe's (arithmetic chains, glm5-nano after the SFT warm start) with
 the chains' power-law length reaching further (``data.task.max_steps``, default here 32 instead of
-12) and a response budget well above the median response (``grpo.max_new_tokens`` 192), so a
+12) and a response budget well above the median response (``grpo.max_new_tokens`` 224), so a
 step's responses are heavy-tailed: the JSON reports the median / p99 / max response lengths the
 plain arm generated (every sample it asked for runs to its end there).
 
-1. SFT once (the recipe's SFT, ``grpo.steps=0``); both arms load its ``sft_policy.pt``.
+1. SFT once (the recipe's SFT, ``grpo.steps=0``); both arms load its ``sft_policy.pt``
+   (``--sft-policy P`` reuses the ``sft_policy.pt`` of such a run instead, e.g. this script's own
+   ``<work dir>/sft`` from an earlier invocation).
 2. Two arms, the same GRPO settings and steps, each training ``prompts_per_step`` x ``n`` samples
    per step:
    * ``plain``: each step generates ``prompts_per_step`` groups and waits for the last sample;
@@ -41,10 +43,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FULL = dict(sft_steps=100, steps=10, prompts=8, oversample=12, n=8, max_new_tokens=192, max_chain=32, eval_size=32,
+FULL = dict(sft_steps=100, steps=8, prompts=8, oversample=16, n=8, max_new_tokens=224, max_chain=32, eval_size=32,
             max_off_policy_steps=2)
-"""Sized for 2 shared CPU cores (under a load average near 8 one SFT step of 32 chains takes ~6 s):
-a 100-step warm start and 10 GRPO steps of 8 groups x 8 per arm."""
+"""Sized for 2 shared CPU cores (under a load average near 7 one SFT step of 32 chains took 10-16 s):
+a 100-step warm start and 8 GRPO steps of 8 groups x 8 per arm."""
 QUICK = dict(sft_steps=20, steps=3, prompts=4, oversample=6, n=4, max_new_tokens=48, max_chain=32, eval_size=8,
              max_off_policy_steps=2)
 
@@ -146,14 +148,15 @@ def arm_summary(history: list[dict], wall_s: float, summary: dict) -> dict:
 
 
 def plain_lengths(run_dir: str) -> dict:
-    """Response lengths the plain arm generated, where every asked sample runs to its end: one sample
-    per group (samples.jsonl with ``logger.samples_per_step`` above the groups), and each step's
-    p90 and max over all its samples."""
+    """Response lengths the plain arm generated, where every asked sample runs to its end: median and
+    p99 over one sample per group (samples.jsonl with ``logger.samples_per_step`` above the groups),
+    max over every sample (each step's record), and each step's p90 and max."""
     steps = [r for r in rows(run_dir) if "rollout/response_len/max" in r]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         lens = np.array([json.loads(line)["response_len"] for line in f if line.strip()])
-    return {"median": float(np.median(lens)), "p99": float(np.percentile(lens, 99)), "max": float(lens.max()),
-            "max_over_median": float(lens.max() / max(np.median(lens), 1)), "samples_measured": int(lens.size),
+    longest = max([float(lens.max())] + [r["rollout/response_len/max"] for r in steps])  # over all samples
+    return {"median": float(np.median(lens)), "p99": float(np.percentile(lens, 99)), "max": longest,
+            "max_over_median": longest / max(float(np.median(lens)), 1.0), "samples_measured": int(lens.size),
             "step_max": [r["rollout/response_len/max"] for r in steps],
             "step_p90": [r["rollout/response_len/p90"] for r in steps]}
 
@@ -163,6 +166,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny SFT, 3 steps, short responses")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps per arm")
     ap.add_argument("--work-dir", default=None, help="where the runs go (default: a temporary folder)")
+    ap.add_argument("--sft-policy", default=None,
+                    help="an sft_policy.pt of this workload's SFT to start both arms from (skips the SFT)")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -172,12 +177,17 @@ def main(argv=None) -> dict:
     work = args.work_dir or tempfile.mkdtemp(prefix="long_tail_rl_")
     t_all = time.perf_counter()
     with LoadSampler() as load:
-        sft_dir = os.path.join(work, "sft")
-        sft_run = start(common(p, threads=1) + [f"sft.steps={p['sft_steps']}", "grpo.steps=0", "eval.every=0"],
-                        sft_dir)
-        sft_s = wait_all({"sft": sft_run}, args.timeout_s)["sft"]
+        if args.sft_policy:
+            if not os.path.isfile(args.sft_policy):
+                raise FileNotFoundError(f"--sft-policy: {args.sft_policy!r} does not exist")
+            policy, sft_s = os.path.abspath(args.sft_policy), None
+        else:
+            sft_dir = os.path.join(work, "sft")
+            sft_run = start(common(p, threads=1) + [f"sft.steps={p['sft_steps']}", "grpo.steps=0", "eval.every=0"],
+                            sft_dir)
+            sft_s = wait_all({"sft": sft_run}, args.timeout_s)["sft"]
+            policy = os.path.join(sft_dir, "sft_policy.pt")
         load_after_sft = len(load.values)
-        policy = os.path.join(sft_dir, "sft_policy.pt")
         shared = common(p, threads=1) + [f"sft.load={policy}", f"grpo.steps={p['steps']}",
                                          f"eval.every={p['steps']}", "logger.samples_per_step=1000"]
         arms = {"plain": shared,
@@ -186,7 +196,12 @@ def main(argv=None) -> dict:
                                      f"grpo.max_off_policy_steps={p['max_off_policy_steps']}"]}
         walls = wait_all({name: start(ov, os.path.join(work, name)) for name, ov in arms.items()}, args.timeout_s)
         arm_loads = load.values[load_after_sft:]
-    out: dict = {"workload": {**p, "task": "arith_chain (the default recipe's), data.task.max_steps="
+    sft_summary = os.path.join(os.path.dirname(policy), "summary.json")
+    sft_info = {"policy": policy}
+    if os.path.isfile(sft_summary):
+        with open(sft_summary) as f:
+            sft_info.update(json.load(f).get("sft", {}))
+    out: dict = {"sft": sft_info, "workload": {**p, "task": "arith_chain (the default recipe's), data.task.max_steps="
                               f"{p['max_chain']}", "model": "glm5-nano after SFT",
                               "response_lengths_plain": plain_lengths(os.path.join(work, "plain"))}}
     for name in arms:
@@ -212,7 +227,8 @@ def main(argv=None) -> dict:
                                 "arms_max": float(np.max(arm_loads or [float("nan")])), "cores": os.cpu_count()}
     out["timing_s"] = {"sft": sft_s, "total": time.perf_counter() - t_all}
     out["work_dir"] = work
-    out["command"] = "python benchmarks/long_tail_rl.py" + (" --quick" if args.quick else "")
+    out["command"] = "python benchmarks/long_tail_rl.py" + (" --quick" if args.quick else "") + (
+        f" --sft-policy {args.sft_policy}" if args.sft_policy else "")
     print(json.dumps({k: v for k, v in out.items() if k not in ("plain", "partial")}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
