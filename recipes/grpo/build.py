@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipes.grpo.dynamic_sampling import OversampleConfig
 from recipes.grpo.evaluation import EvalConfig
 from recipes.grpo.loss import GRPOLossConfig
+from recipes.grpo.partial_rollout import PartialRolloutConfig
 from recipes.grpo.rollout_correction import RolloutCorrectionConfig
 from recipes.grpo.schedule import LRSchedule
 from recipes.grpo.sft import SFTConfig
@@ -131,6 +132,22 @@ def oversample_config(cfg: DictConfig) -> OversampleConfig | None:
         return None
     return OversampleConfig(oversample_groups=int(asked), target_groups=int(g.prompts_per_step),
                             filter=str(g.get("filter", "std")))
+
+
+def partial_rollout_config(cfg: DictConfig) -> PartialRolloutConfig | None:
+    """``grpo.partial_rollout`` (needs over-sampling: only a streaming call cuts groups off) with
+    ``grpo.max_off_policy_steps``."""
+    g = cfg.grpo
+    on = g.get("partial_rollout", False)
+    if not isinstance(on, bool):
+        raise ValueError(f"grpo.partial_rollout: expected true or false, got {on!r}")
+    if not on:
+        return None
+    if not g.get("oversample_groups"):
+        raise ValueError("grpo.partial_rollout: needs grpo.oversample_groups (> grpo.prompts_per_step): only an "
+                         "over-sampled step cuts groups off to carry on")
+    k = g.get("max_off_policy_steps", 1)
+    return PartialRolloutConfig(max_off_policy_steps=None if k is None else k)
 
 
 def lr_schedule(cfg: DictConfig) -> LRSchedule:

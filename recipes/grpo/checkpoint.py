@@ -7,12 +7,16 @@
 * ``optimizer_rank<r>.pt``: each rank's optimizer state (ZeRO: its partition and fp32 master copy);
 * ``rng_rank<r>.pt``: each rank's torch / numpy / python RNG states;
 * ``timelines.pt``: rank 0's layout timelines so far (timeline.json is written from them at the end);
+* ``carried.pt``: with ``grpo.partial_rollout``, the groups the last step cut off, to be finished by
+  the next one (recipes/grpo/partial_rollout.py), with their samples' tokens, logprobs and versions;
 * ``state.json`` (written last, by rank 0, once every rank's files are in place): the step, the
   engine's ``weight_version``, the data cursor, the LR schedule, the world size and the model's
   fingerprint. A folder without it is incomplete and never resumed from.
 
 ``resume=<run dir>`` takes the newest complete checkpoint there; a checkpoint of another model
-(other source or parameter shapes), world size or LR schedule is refused before any work starts.
+(other source or parameter shapes), world size or LR schedule is refused before any work starts, and
+so is one that carries partial groups into a run without ``grpo.partial_rollout`` (they would be
+lost).
 """
 from __future__ import annotations
 
@@ -54,6 +58,8 @@ class RunState:
     world_size: int
     model: dict[str, str]
     has_reference: bool
+    carried_groups: int = 0
+    """Partial groups the next step finishes (``carried.pt``); 0 without partial rollout."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -86,8 +92,9 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: str, state: RunState, rank: int, policy: dict[str, torch.Tensor],
                     optimizer: dict[str, Any], reference: dict[str, torch.Tensor] | None,
-                    timelines: list, timeout_s: float = 600.0) -> str:
-    """Every rank calls this; rank 0 writes ``state.json`` once all ranks' files exist."""
+                    timelines: list, timeout_s: float = 600.0, carried: list | None = None) -> str:
+    """Every rank calls this; rank 0 writes ``state.json`` once all ranks' files exist. ``carried``:
+    the partial-rollout carry (``Carry.state_dict()``; the same on every rank)."""
     folder = step_dir(run_dir, state.step)
     os.makedirs(folder, exist_ok=True)
     _atomic_save(optimizer, os.path.join(folder, f"optimizer_rank{rank}.pt"))
@@ -98,6 +105,8 @@ def save_checkpoint(run_dir: str, state: RunState, rank: int, policy: dict[str, 
     if reference is not None:
         _atomic_save(reference, os.path.join(folder, "reference.pt"))
     _atomic_save(timelines, os.path.join(folder, "timelines.pt"))
+    if carried is not None:
+        _atomic_save(carried, os.path.join(folder, "carried.pt"))
     deadline = time.monotonic() + timeout_s
     for r in range(state.world_size):
         for kind in ("optimizer", "rng"):
@@ -145,11 +154,20 @@ def check_compatible(state: RunState, folder: str, fingerprint: dict[str, str], 
                                       f"{lr_schedule}")
 
 
+def check_carried(state: RunState, folder: str, partial_rollout: bool) -> None:
+    if state.carried_groups and not partial_rollout:
+        raise CheckpointMismatchError(f"resume: {folder} carries {state.carried_groups} partial groups for its next "
+                                      f"step; resume it with grpo.partial_rollout=true (and the same "
+                                      f"grpo.oversample_groups), or they would be lost")
+
+
 def load_rank_files(folder: str, state: RunState, rank: int) -> dict[str, Any]:
-    """policy, optimizer states (all ranks), this rank's RNG states, reference, timelines."""
+    """policy, optimizer states (all ranks), this rank's RNG states, reference, timelines, carried
+    partial groups (every rank reads rank 0's)."""
     load = lambda name: torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
     out = {"policy": load("policy.pt"),
            "optimizer": [load(f"optimizer_rank{r}.pt") for r in range(state.world_size)],
            "rng": load(f"rng_rank{rank}.pt"), "timelines": load("timelines.pt")}
     out["reference"] = load("reference.pt") if state.has_reference else None
+    out["carried"] = load("carried.pt") if os.path.isfile(os.path.join(folder, "carried.pt")) else []
     return out

@@ -6,6 +6,8 @@
         rewards    = reward_fn(responses, rows, token ids)              # reward.fn
           (grpo.oversample_groups: generate streams groups to reward_fn + grpo.filter and stops
            once prompts_per_step groups pass; recipes/grpo/dynamic_sampling.py)
+          (grpo.partial_rollout: the groups it cut off are finished in the next step's call, ahead
+           of its fresh prompts; recipes/grpo/partial_rollout.py)
         advantages = group_advantages(shape_rewards(rewards))           # overlong / KL-in-reward shaping
         stats      = grpo_update(trainer, batch, advantages)            # train (ZeRO-2 over the ranks)
         engine.update_weights(weights, version=step + 1)                # the engine samples the new policy
@@ -36,11 +38,12 @@ from recipes.grpo import checkpoint as ckpt
 from recipes.grpo.dynamic_sampling import GroupScorer, oversample_metrics
 from recipes.grpo.build import (build_engine, build_engine_with_weights, build_policy, eval_config, load_reference,
                                 loss_config, lr_schedule, max_prompt_len, model_source, oversample_config,
-                                sft_config, tool_env, trainer_config)
+                                partial_rollout_config, sft_config, tool_env, trainer_config)
 from recipes.grpo.evaluation import evaluate
 from recipes.grpo.loss import group_advantages
 from recipes.grpo.metrics import memory_metrics, step_metrics
 from recipes.grpo.multi_turn import MultiTurnEngine
+from recipes.grpo.partial_rollout import Carry
 from recipes.grpo.reward_fns import RewardFunction, Rewards
 from recipes.grpo.sft import run_sft
 from recipes.grpo.task_data import Example, PromptOrder, build_task_data
@@ -112,6 +115,7 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     do_sft = not resume and not s.get("load") and sft_cfg.steps > 0
     oversample = oversample_config(cfg)
     tools = tool_env(cfg, tokenizer)  # tool.*: multi-turn rollouts with a calculator (recipes/grpo/multi_turn.py)
+    partial = partial_rollout_config(cfg)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
                            sft_examples=sft_cfg.steps * sft_cfg.batch_size if do_sft else 0,
                            fresh_prompts=g.steps * (oversample.oversample_groups if oversample else g.prompts_per_step))
@@ -127,6 +131,7 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         folder = ckpt.latest_checkpoint(resume)
         state = ckpt.read_state(folder)
         ckpt.check_compatible(state, folder, fingerprint, world_size, schedule.to_dict())
+        ckpt.check_carried(state, folder, partial is not None)
         restored = (state, ckpt.load_rank_files(folder, state, rank))
         # before the trainer exists: ZeRO takes its fp32 master copy at deepspeed.initialize
         policy.load_state_dict(restored[1]["policy"], strict=True)
@@ -172,6 +177,9 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         state, files = restored
         start, version, cursor, timelines = state.step, state.weight_version, state.data_cursor, files["timelines"]
         ckpt.set_rng_states(files["rng"])
+    carry = Carry(partial) if partial else None
+    if carry is not None and restored is not None:
+        carry.load_state_dict(restored[1]["carried"])
     engine = build_engine_with_weights(cfg, trainer.named_weights(), version=version)
     if tools is not None:  # generate (rollouts and eval) now answers calculator calls between turns
         engine = MultiTurnEngine(engine, tools, tools.config.max_turns)
@@ -196,17 +204,26 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     for step in range(start, g.steps):
         timings: dict[str, float] = {}
         extra = {**run_eval(step), **(data.metrics() if step == 0 else {})}
-        examples = [data.train[i] for i in order.take(oversample.oversample_groups if oversample else
-                                                      g.prompts_per_step)]
+        asked = oversample.oversample_groups if oversample else g.prompts_per_step
+        # partial rollout: last step's cut-off groups first (too-stale ones dropped), fresh prompts after
+        carried = carry.take(engine.weight_version) if carry is not None else []
+        indices = [c.data_index for c in carried] + order.take(asked - len(carried))
+        examples = [data.train[i] for i in indices]
+        fresh = [ex.prompt_ids for ex in examples[len(carried):]]
         trainer.set_lr(schedule.lr_at(step))
         step_sampling = dataclasses.replace(sampling, seed=cfg.seed * 100_003 + step)
         scorer = GroupScorer(reward_fn, examples, tokenizer, oversample.filter) if oversample else None
         with timed(timings, "rollout"):  # with over-sampling this includes scoring the groups
-            batch = engine.generate([ex.prompt_ids for ex in examples], step_sampling, on_group=scorer,
-                                    target_groups=oversample.target_groups) if oversample else \
-                engine.generate([ex.prompt_ids for ex in examples], step_sampling)
+            batch = engine.generate(fresh, step_sampling, on_group=scorer, target_groups=oversample.target_groups,
+                                    resume=[c.group for c in carried] or None) if oversample else \
+                engine.generate(fresh, step_sampling)
+        policy_version = engine.weight_version  # the weights this step trains (and sampled its new tokens)
+        partial_stats: dict[str, float] = {}
+        if carry is not None:
+            carry.put(batch.aborted, indices)
+            partial_stats = carry.metrics(batch, policy_version)
         if oversample and not batch.groups:  # every group filtered out: nothing to train on
-            metrics = {**oversample_metrics(batch), **timings, **extra, "grpo_step": float(step)}
+            metrics = {**oversample_metrics(batch), **partial_stats, **timings, **extra, "grpo_step": float(step)}
             sink.log(metrics, step=step_offset + step)
             if rank == 0:
                 print(f"[grpo] step {step:3d}: no group passed grpo.filter={oversample.filter}; no update", flush=True)
@@ -226,14 +243,15 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             engine.sleep()
             memory = memory_metrics(awake, engine.memory_stats())
         with timed(timings, "train"):
-            train_stats = grpo_update(trainer, batch, advantages, update, tokenizer.pad_token_id, step, ref_model)
+            train_stats = grpo_update(trainer, batch, advantages, update, tokenizer.pad_token_id, step, ref_model,
+                                      policy_version=policy_version)
         with timed(timings, "push_weights"):
             if sleep_during_train:
                 engine.wake_up()
             engine.update_weights(trainer.named_weights(), version=step + 1)
         timings["timing_s/step"] = sum(timings.values())
         metrics = {**step_metrics(batch, rewards, scored, timings), **shape_stats, **train_stats, **memory, **extra,
-                   **(oversample_metrics(batch) if oversample else {}),
+                   **(oversample_metrics(batch) if oversample else {}), **partial_stats,
                    "train/lr": schedule.lr_at(step), "grpo_step": float(step)}
         sink.log(metrics, step=step_offset + step)
         timelines.append((step, batch.timeline.to_dict()))
@@ -246,9 +264,11 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         if save_every and ((step + 1) % save_every == 0 or step + 1 == g.steps):
             state = ckpt.RunState(step=step + 1, weight_version=step + 1, data_cursor=order.cursor,
                                   lr_schedule=schedule.to_dict(), world_size=world_size, model=fingerprint,
-                                  has_reference=own_reference)
+                                  has_reference=own_reference,
+                                  carried_groups=len(carry.groups) if carry is not None else 0)
             ckpt.save_checkpoint(run_dir, state, rank, trainer.named_weights(), trainer.optimizer_state(),
-                                 ref_model.state_dict() if own_reference else None, timelines)
+                                 ref_model.state_dict() if own_reference else None, timelines,
+                                 carried=carry.state_dict() if carry is not None else None)
     final_eval = run_eval(g.steps) if start < g.steps else {}
     if final_eval:
         sink.log({**final_eval, "grpo_step": float(g.steps)}, step=step_offset + g.steps)
@@ -264,6 +284,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         sink.log_image("timeline/plot", png, last)
         summary.update(**reward_summary([h for h in history if "reward/mean" in h], cfg.grpo.summary_window),
                        **eval_summary(history), **data.metrics(), total_s=time.perf_counter() - t_start)
+        if carry is not None:  # cut off in the last step: never trained (nor dropped)
+            summary["rollout/carried_at_end"] = float(len(carry.groups))
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         summary["history"] = history

@@ -73,7 +73,8 @@ class TrainBatch:
     loss_mask: torch.Tensor
     """[B, S - 1] float32, 1 where target token t+1 is a trained response token"""
     extras: dict[str, torch.Tensor]
-    """Per-target tensors [B, S - 1] (old_logprobs, ref_logprobs) or per-sample [B] (advantages); with
+    """Per-target tensors [B, S - 1] (old_logprobs, ref_logprobs, on_policy: 1 where the token was
+    sampled by the weights being trained) or per-sample [B] (advantages); with
     routing replay ``routing`` [B, S, moe layers, top_k] int64 and ``routing_replayed`` [B, S] bool
     (recipes/grpo/routing_replay.py), which the forward replays."""
 
@@ -257,6 +258,13 @@ class Trainer:
             return float(norm) if norm is not None else float("nan")
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.world_size > 1:
+            # every rank reduces every trainable parameter, in one order: an MoE expert that got no
+            # token on this rank has no gradient here but may have one on another rank, and the
+            # replicas must take the same step (a zero gradient stands in for the missing one)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             average_gradients(params)
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip) if self.config.grad_clip > 0 \
             else torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))

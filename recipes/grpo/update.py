@@ -78,9 +78,13 @@ def shape_rewards(rewards: torch.Tensor, batch: RolloutBatch, config: UpdateConf
 
 
 def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor, config: UpdateConfig,
-                pad_id: int, step: int, ref_model: torch.nn.Module | None = None) -> dict[str, float]:
+                pad_id: int, step: int, ref_model: torch.nn.Module | None = None,
+                policy_version: int | None = None) -> dict[str, float]:
     """``config.minibatches`` optimizer steps over the rollout batch; this rank trains on samples
-    ``rank::world`` of each minibatch."""
+    ``rank::world`` of each minibatch. ``policy_version``: the weight version being trained; tokens
+    sampled under an older one (partial rollout) carry their own policy's logprobs, which the ratio
+    (and the off-policy correction) is taken against, and are left out of
+    ``train/logprob_diff_max`` (a check of the engine against the trainer on the same weights)."""
     samples = batch.samples
     adv = advantages.flatten().tolist()
     order = list(range(len(samples)))
@@ -106,7 +110,11 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
                 per_sample["weights"] = [sample_weight(sum(masks[i]), "seq_mean") for i in ids]
             mb = collate([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id,
                          response_mask=[masks[i] for i in ids],
-                         per_token={"old_logprobs": [s.response_logprobs for s in chunk]}, per_sample=per_sample)
+                         per_token={"old_logprobs": [s.response_logprobs for s in chunk],
+                                    "on_policy": [[float(v == policy_version) for v in s.versions] if
+                                                  policy_version is not None else [1.0] * len(s.response_ids)
+                                                  for s in chunk]},
+                         per_sample=per_sample)
             if config.routing_replay:
                 mb.extras["routing"], mb.extras["routing_replayed"] = replay_table(chunk, mb.input_ids.shape[1])
             if kl_in_loss:
@@ -134,7 +142,7 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
                                     weights=mb.extras.get("weights"), entropy=entropy, rollout_logprobs=rollout)
             # rollout vs trainer logprobs of the same tokens (weights equal before the first step)
             engine_lp = rollout if rollout is not None else mb.extras["old_logprobs"]
-            stats["logprob_diff_max"] = ((logprobs - engine_lp).abs() * mask).max().detach()
+            stats["logprob_diff_max"] = ((logprobs - engine_lp).abs() * mask * mb.extras["on_policy"]).max().detach()
             return loss, stats
 
         stats_all.append(trainer.optimizer_step(micro, loss_fn, entropy=loss_cfg.entropy_coef > 0))

@@ -126,7 +126,7 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Any] | str,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  on_group: Callable[[SampleGroup], bool] | None = None, target_groups: int | None = None,
-                 poll_steps: int = 1) -> RolloutBatch:
+                 poll_steps: int = 1, resume: Sequence[SampleGroup] | None = None) -> RolloutBatch:
         """One group of ``n`` samples per prompt (token-id list or string).
 
         Streaming (``rollout/streaming.py``), when ``on_group`` or ``target_groups`` is given: every
@@ -135,15 +135,86 @@ class RolloutEngine:
         complete; once ``target_groups`` groups are kept the rest of the call is aborted at the next
         step boundary. ``batch.groups`` then holds the kept groups (completion order),
         ``batch.filtered`` the rejected ones and ``batch.aborted`` the unused rest, which together
-        are every prompt of the call. No progress bar while streaming."""
+        are every prompt of the call. No progress bar while streaming.
+
+        ``resume``: groups of an earlier call to finish in this one (e.g. its ``batch.aborted``), ahead
+        of the prompts, in one engine call: a group's finished samples are kept as they are and its
+        aborted ones continue under the current weights as ``resume()`` continues them (same seed and
+        draw counter, per-token ``token_versions``; they are queued before the prompts' samples).
+        These groups are the call's first ones (``prompt_index`` 0 .. len(resume) - 1, the prompts
+        follow), so a streaming call judges a resumed group like any other; ``prompts`` may then be
+        empty. Every rank (torchrun) passes the same groups."""
         self._check_usable("generate")
         self._check_awake("generate")
+        carried = self._check_carried(resume)
+        no_prompts = isinstance(prompts, (list, tuple)) and not prompts and bool(carried)
         streaming = on_group is not None or target_groups is not None
         if streaming:
-            check_stream_args(on_group, target_groups, poll_steps,
-                              1 if isinstance(prompts, str) else len(prompts) if hasattr(prompts, "__len__") else None)
-        requests, groups = self._make_requests(prompts, sampling)
-        return self._serve_call(requests, groups, on_group, target_groups, poll_steps)
+            count = 1 if isinstance(prompts, str) else len(prompts) if hasattr(prompts, "__len__") else None
+            check_stream_args(on_group, target_groups, poll_steps, None if count is None else count + len(carried))
+        counters = (self._num_calls, self._next_request_id)
+        fresh, fresh_groups = ([], []) if no_prompts else self._make_requests(prompts, sampling)
+        try:
+            requests, groups, earlier, slots = self._resume_requests(carried)
+        except BaseException:
+            self._num_calls, self._next_request_id = counters
+            raise
+        offset = len(groups)
+        slots.update({offset + i: [None] * len(g) for i, g in enumerate(fresh_groups)})
+        return self._serve_call(requests + fresh, groups + fresh_groups, on_group, target_groups, poll_steps,
+                                earlier, slots if carried else None)
+
+    def _check_resumable(self, where: str, s: Sample) -> None:
+        """A sample ``resume`` can continue (its finish reason is the caller's check)."""
+        if s.spec is None:
+            raise ValueError(f"{where}: carries no sampling settings (spec); resume takes samples "
+                             f"this engine returned")
+        if len(s.response_ids) >= s.spec.max_new_tokens:
+            raise ValueError(f"{where}: already has max_new_tokens={s.spec.max_new_tokens} tokens")
+        if len(s.prompt_ids) + len(s.response_ids) >= self.max_len:
+            raise ValueError(f"{where}: prompt + response ({len(s.prompt_ids) + len(s.response_ids)} tokens) "
+                             f"already reach max_model_len {self.max_len}")
+
+    def _check_carried(self, resume) -> list[SampleGroup]:
+        """``generate(resume=...)``: a list of SampleGroups whose aborted samples can continue."""
+        if resume is None:
+            return []
+        if isinstance(resume, SampleGroup) or not isinstance(resume, (list, tuple)):
+            raise TypeError(f"resume: expected a list of SampleGroups (e.g. an earlier batch.aborted), "
+                            f"got {type(resume).__name__}")
+        for i, g in enumerate(resume):
+            if not isinstance(g, SampleGroup) or not g.samples:
+                raise TypeError(f"resume[{i}]: expected a SampleGroup with samples, got {g!r:.80}")
+            for j, s in enumerate(g.samples):
+                if not isinstance(s, Sample):
+                    raise TypeError(f"resume[{i}].samples[{j}]: expected a Sample, got {type(s).__name__}")
+                if s.finish_reason == "abort":
+                    self._check_resumable(f"resume[{i}].samples[{j}]", s)
+        return list(resume)
+
+    def _resume_requests(self, carried: list[SampleGroup]):
+        """Requests for the aborted samples of ``carried`` -> (requests, groups of requests, request id
+        -> versions of the tokens each brings, group index -> its samples with None where a request
+        fills in)."""
+        eos = tuple(self.model_config.eos_token_ids)
+        requests, groups, earlier, slots = [], [], {}, {}
+        for gi, g in enumerate(carried):
+            group, slots[gi] = [], []
+            for s in g.samples:
+                if s.finish_reason != "abort":
+                    slots[gi].append(s)
+                    continue
+                req = Request(self._next_request_id, list(s.prompt_ids), s.spec, self.max_len, eos,
+                              list(s.response_ids), list(s.response_logprobs))
+                self._next_request_id += 1
+                earlier[req.request_id] = s.versions
+                group.append(req)
+                slots[gi].append(None)
+            requests.extend(group)
+            groups.append(group)
+        if requests:
+            self._check_admissible(requests, groups)
+        return requests, groups, earlier, slots
 
     def resume(self, samples: Sequence[Sample], max_off_policy_steps: int | None = None) -> RolloutBatch:
         """Continue partial samples (finish_reason ``abort``, e.g. cut off by ``abort()`` or a streaming
@@ -165,19 +236,12 @@ class RolloutEngine:
                 raise TypeError(f"samples[{i}]: expected a Sample, got {type(s).__name__}")
             if s.finish_reason != "abort":
                 raise ValueError(f"samples[{i}]: finish_reason {s.finish_reason!r}; only aborted samples resume")
-            if s.spec is None:
-                raise ValueError(f"samples[{i}]: carries no sampling settings (spec); resume takes samples "
-                                 f"this engine returned")
-            if len(s.response_ids) >= s.spec.max_new_tokens:
-                raise ValueError(f"samples[{i}]: already has max_new_tokens={s.spec.max_new_tokens} tokens")
-            if len(s.prompt_ids) + len(s.response_ids) >= self.max_len:
-                raise ValueError(f"samples[{i}]: prompt + response ({len(s.prompt_ids) + len(s.response_ids)} tokens) "
-                                 f"already reach max_model_len {self.max_len}")
+            self._check_resumable(f"samples[{i}]", s)
         eos = tuple(self.model_config.eos_token_ids)
         requests, groups, earlier, dropped = [], [], {}, []
         for i, s in enumerate(samples):
-            versions = list(s.token_versions) if s.token_versions is not None else [s.weight_version] * len(s.response_ids)
-            if max_off_policy_steps is not None and versions and self.weight_version - min(versions) > max_off_policy_steps:
+            versions = s.versions
+            if max_off_policy_steps is not None and s.lag(self.weight_version) > max_off_policy_steps:
                 dropped.append(s)
                 continue
             req = Request(self._next_request_id, list(s.prompt_ids), s.spec, self.max_len, eos,
@@ -227,8 +291,11 @@ class RolloutEngine:
         return batch
 
     def _serve_call(self, requests: list[Request], groups: list[list[Request]], on_group, target_groups,
-                    poll_steps: int, earlier_versions: dict[int, list[int]] | None = None) -> RolloutBatch:
-        """Serve one call's requests on every rank and assemble its batch, timeline and metrics."""
+                    poll_steps: int, earlier_versions: dict[int, list[int]] | None = None,
+                    slots: dict[int, list[Sample | None]] | None = None) -> RolloutBatch:
+        """Serve one call's requests on every rank and assemble its batch, timeline and metrics.
+        ``slots``: group index -> its samples, finished ones given and None where a request fills in
+        (groups resumed by ``generate(resume=...)``); None: every sample comes from a request."""
         streaming = on_group is not None or target_groups is not None
         t0 = time.perf_counter()
         with self._call_lock:
@@ -236,10 +303,10 @@ class RolloutEngine:
         try:
             if streaming:
                 results, steps, switches, decisions, sorted_groups = serve_streaming(
-                    self, requests, groups, on_group, target_groups, poll_steps)
+                    self, requests, groups, on_group, target_groups, poll_steps, earlier_versions, slots)
             else:
                 results, steps, switches, decisions = self._on_ranks(
-                    worker_serve, [RequestRecord.of(r) for r in requests], self._progress)
+                    worker_serve, [RequestRecord.of(r) for r in requests], self._progress) if requests else ([], [], [], [])
         finally:
             with self._call_lock:  # an abort() that arrives after the last step is not kept for the next call
                 self._in_call = None
@@ -250,10 +317,10 @@ class RolloutEngine:
         if streaming:
             out, filtered, aborted = sorted_groups[KEPT], sorted_groups[FILTERED], sorted_groups[ABORTED]
         else:
-            out, filtered, aborted = [make_group(i, reqs, by_id, self.weight_version, earlier_versions)
-                                      for i, reqs in enumerate(groups)], [], []
+            out, filtered, aborted = [make_group(i, reqs, by_id, self.weight_version, earlier_versions,
+                                                 (slots or {}).get(i)) for i, reqs in enumerate(groups)], [], []
         timeline = build_timeline(steps, switches, decisions)
-        lens = [len(by_id[r.request_id].output_ids) for r in requests]
+        lens = [len(by_id[r.request_id].output_ids) for r in requests] or [0]
         num_tokens = sum(lens)
         control = [s["control_bytes"] for s in steps] or [0]
         metrics = {"rollout/response_len/mean": float(np.mean(lens)), "rollout/response_len/max": float(max(lens)),
@@ -262,6 +329,8 @@ class RolloutEngine:
                    "perf/control_bytes_max": float(max(control)), "perf/control_bytes_mean": float(np.mean(control)),
                    "timing_s/generate": elapsed,
                    "rollout/aborted_samples": float(sum(r.finish_reason == "abort" for r in results))}
+        if earlier_versions:
+            metrics["rollout/resumed_samples"] = float(len(earlier_versions))
         if streaming:
             metrics.update({"rollout/kept_groups": float(len(out)), "rollout/filtered_groups": float(len(filtered)),
                             "rollout/aborted_groups": float(len(aborted))})

@@ -33,17 +33,23 @@ KEPT, FILTERED, ABORTED = "kept", "filtered", "aborted"
 
 
 def make_group(index: int, requests: list[Request], by_id: dict[int, RequestResult], version: int,
-               earlier_versions: dict[int, list[int]] | None = None) -> SampleGroup:
+               earlier_versions: dict[int, list[int]] | None = None,
+               slots: list[Sample | None] | None = None) -> SampleGroup:
     """Group ``index`` of a call from its requests and their results. ``earlier_versions``: request id
-    -> weight versions of the tokens a resumed sample brought in (the rest were sampled under ``version``)."""
-    samples = []
+    -> weight versions of the tokens a resumed sample brought in (the rest were sampled under ``version``).
+    ``slots``: the group's samples in order, finished ones given (kept as they are) and None where the
+    next request's result goes; None: one sample per request."""
+    made = []
     for r in requests:
         res = by_id[r.request_id]
         before = (earlier_versions or {}).get(r.request_id, [])
         versions = list(before) + [version] * (len(res.output_ids) - len(before))
-        samples.append(Sample(list(r.prompt_ids), list(res.output_ids), list(res.output_logprobs), res.finish_reason,
-                              r.spec.seed, version, versions, r.spec, res.routing))
-    return SampleGroup(index, samples)
+        made.append(Sample(list(r.prompt_ids), list(res.output_ids), list(res.output_logprobs), res.finish_reason,
+                           r.spec.seed, version, versions, r.spec, res.routing))
+    if slots is None:
+        return SampleGroup(index, made)
+    fill = iter(made)
+    return SampleGroup(index, [s if s is not None else next(fill) for s in slots])
 
 
 # ---- what every rank runs (module level so they pickle by name) ----------------------------------------
@@ -91,10 +97,16 @@ def check_stream_args(on_group, target_groups, poll_steps, num_groups: int | Non
 
 
 def serve_streaming(engine, requests: list[Request], groups: list[list[Request]],
-                    on_group: Callable[[SampleGroup], bool] | None, target_groups: int | None, poll_steps: int):
+                    on_group: Callable[[SampleGroup], bool] | None, target_groups: int | None, poll_steps: int,
+                    earlier_versions: dict[int, list[int]] | None = None,
+                    slots: dict[int, list[Sample | None]] | None = None):
     """Serve a call poll by poll (``engine``: the RolloutEngine). Returns (results, steps, switches,
     decisions, {KEPT: groups, FILTERED: groups, ABORTED: groups}); kept and filtered groups are in
-    the order they completed (the objects ``on_group`` saw), aborted ones in prompt order."""
+    the order they completed (the objects ``on_group`` saw), aborted ones in prompt order.
+    ``earlier_versions`` and ``slots``: resumed samples and groups (``make_group``); a group with no
+    request left (every sample already finished) is complete before the first poll."""
+    group_at = lambda g: make_group(g, groups[g], by_id, engine.weight_version, earlier_versions,  # noqa: E731
+                                    (slots or {}).get(g))
     group_of = {r.request_id: i for i, g in enumerate(groups) for r in g}
     left = [len(g) for g in groups]
     by_id: dict[int, RequestResult] = {}
@@ -113,11 +125,11 @@ def serve_streaming(engine, requests: list[Request], groups: list[list[Request]]
         return results
 
     try:
-        while len(by_id) < len(requests):
+        while first or len(by_id) < len(requests):
             records = [RequestRecord.of(r) for r in requests] if first else []
-            results = poll(records, None if aborting else poll_steps)
+            done: list[int] = [g for g in range(len(groups)) if not groups[g]] if first else []
+            results = poll(records, None if aborting else poll_steps) if requests else []
             first = False
-            done: list[int] = []
             for res in results:
                 by_id[res.request_id] = res
                 g = group_of[res.request_id]
@@ -126,7 +138,7 @@ def serve_streaming(engine, requests: list[Request], groups: list[list[Request]]
                     done.append(g)
             judged = []
             for g in done:
-                built[g] = make_group(g, groups[g], by_id, engine.weight_version)
+                built[g] = group_at(g)
                 order.append(g)
                 if aborting or (target_groups is not None and kept >= target_groups) or \
                         any(s.finish_reason == "abort" for s in built[g].samples):
@@ -164,6 +176,5 @@ def serve_streaming(engine, requests: list[Request], groups: list[list[Request]]
     for g in order:
         if verdicts[g] != ABORTED:
             sorted_groups[verdicts[g]].append(built[g])
-    sorted_groups[ABORTED] = [built.get(g) or make_group(g, groups[g], by_id, engine.weight_version)
-                              for g in range(len(groups)) if verdicts[g] in (None, ABORTED)]
+    sorted_groups[ABORTED] = [built.get(g) or group_at(g) for g in range(len(groups)) if verdicts[g] in (None, ABORTED)]
     return list(by_id.values()), steps, switches, decisions, sorted_groups

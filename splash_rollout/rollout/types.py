@@ -106,6 +106,16 @@ class Sample:
     turns (``RolloutEngine.continue_samples``); None: every token was sampled."""
 
     @property
+    def versions(self) -> list[int]:
+        """[num_response_tokens] ``token_versions``, or ``weight_version`` for every token when unset."""
+        return list(self.token_versions) if self.token_versions is not None else [self.weight_version] * len(
+            self.response_ids)
+
+    def lag(self, version: int) -> int:
+        """How many weight versions its oldest token is behind ``version`` (0 for an empty response)."""
+        return version - min(self.versions) if self.response_ids else 0
+
+    @property
     def loss_mask(self) -> list[int]:
         """[num_response_tokens] 1 for every token the policy sampled, 0 for appended (tool / env) tokens."""
         return list(self.response_mask) if self.response_mask is not None else [1] * len(self.response_ids)

@@ -121,3 +121,17 @@ def test_zero2_on_two_ranks_matches_one_rank(tmp_path):
         torch.testing.assert_close(got[0]["weights"][name], got[1]["weights"][name], atol=0, rtol=0)
         d = (got[0]["weights"][name] - w).abs()
         assert float(d.max()) < 5e-5 and float((d > 1e-6).float().mean()) < 1e-3, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_plain_torch_trainer_on_two_ranks_keeps_the_replicas_in_step(tmp_path):
+    """trainer=torch all-reduces every trainable parameter on every rank, also an MoE expert that got
+    no token on one of them (a missing gradient there would mismatch the collective after step 0);
+    the replicas then stay equal, so the engine's shards of step 2 sample the trainer's logprobs."""
+    from splash_rollout.run import compose_config, launch
+
+    launch(compose_config(TINY + ["engine.world_size=2", "trainer=torch", "grpo.steps=3"]), str(tmp_path))
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [l["grpo_step"] for l in lines] == [0, 1, 2]
+    assert all(l["train/logprob_diff_max"] <= 1e-6 for l in lines), [l["train/logprob_diff_max"] for l in lines]

@@ -103,3 +103,50 @@ def test_multi_turn_continuation_masks_the_environment_and_equals_a_fresh_call()
         engine_args = EngineConfig(**CFG)
         with RolloutEngine(engine_args) as engine:
             engine.continue_samples(first, [[1]], params)
+
+
+def test_one_call_finishes_carried_groups_under_new_weights_and_generates_new_prompts():
+    """generate(prompts, resume=groups): the carried groups' finished samples come back as they were,
+    their aborted ones continue exactly as resume() continues them (the new model's tokens, per-token
+    versions), and the carried groups are the call's first groups, judged while streaming."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=2)
+    new = MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=9).eval()
+    fresh = [[7, 8, 9], [10, 11] * 3]
+    with RolloutEngine(EngineConfig(**CFG)) as engine:
+        cut = engine.generate(PROMPTS, _per_prompt(params), target_groups=1)
+        carried = cut.aborted
+        engine.update_weights(new.state_dict(), version=1)
+        alone = engine.resume([s for g in carried for s in g.samples if s.finish_reason == "abort"])
+        seen = []
+        both = engine.generate(fresh, params, resume=carried, on_group=lambda g: seen.append(g.prompt_index) or True)
+        only_new = engine.generate(fresh, params)
+        with pytest.raises(TypeError, match=r"resume\[0\]: expected a SampleGroup"):
+            engine.generate(fresh, params, resume=[carried[0].samples[0]])
+        with pytest.raises(TypeError, match="resume: expected a list of SampleGroups"):
+            engine.generate(fresh, params, resume=carried[0])
+    assert [g.prompt_index for g in both.groups] == list(range(len(carried) + len(fresh)))
+    assert sorted(seen) == list(range(len(carried) + len(fresh)))
+    assert both.metrics["rollout/resumed_samples"] == len(alone.samples)
+    want = iter(alone.samples)
+    for before, after in zip(carried, both.groups):
+        for s0, s1 in zip(before.samples, after.samples):
+            if s0.finish_reason != "abort":
+                assert s1 is s0
+                continue
+            w = next(want)
+            k = len(s0.response_ids)
+            assert s1.response_ids == w.response_ids and s1.response_logprobs == w.response_logprobs
+            assert s1.token_versions == [0] * k + [1] * (len(s1.response_ids) - k) and s1.finish_reason == "length"
+    for got, plain in zip(both.groups[len(carried):], only_new.groups):
+        assert [s.response_ids for s in got.samples] == [s.response_ids for s in plain.samples]
+        assert all(s.token_versions == [1] * len(s.response_ids) for s in got.samples)
+
+
+def test_a_carried_group_with_every_sample_finished_is_judged_without_engine_work():
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    with RolloutEngine(EngineConfig(**CFG)) as engine:
+        done = engine.generate(PROMPTS[:2], params)
+        batch = engine.generate([], None, resume=done.groups, target_groups=1)
+    assert [g.samples for g in batch.groups] == [done.groups[0].samples]
+    assert [g.samples for g in batch.aborted] == [done.groups[1].samples]
+    assert "rollout/resumed_samples" not in batch.metrics
