@@ -1,5 +1,26 @@
-"""Fixtures every test directory shares."""
+"""Fixtures and collection rules every test directory shares.
+
+Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist) the multi-rank tests run one after another on
+one worker -- each spawns its own ranks, so two of them at once would put four busy ranks on two
+cores -- while the single-process tests share out over both workers on one torch thread each.
+"""
+import os
+
 import pytest
+
+DISTRIBUTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed") + os.sep
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.path).startswith(DISTRIBUTED):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker shares the cores with the other one
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
