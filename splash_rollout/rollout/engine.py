@@ -237,26 +237,17 @@ class RolloutEngine:
             if s.finish_reason != "abort":
                 raise ValueError(f"samples[{i}]: finish_reason {s.finish_reason!r}; only aborted samples resume")
             self._check_resumable(f"samples[{i}]", s)
-        eos = tuple(self.model_config.eos_token_ids)
-        requests, groups, earlier, dropped = [], [], {}, []
-        for i, s in enumerate(samples):
-            versions = s.versions
-            if max_off_policy_steps is not None and s.lag(self.weight_version) > max_off_policy_steps:
-                dropped.append(s)
-                continue
-            req = Request(self._next_request_id, list(s.prompt_ids), s.spec, self.max_len, eos,
-                          list(s.response_ids), list(s.response_logprobs))
-            self._next_request_id += 1
-            earlier[req.request_id] = versions
-            requests.append(req)
-            groups.append([req])
-        if not requests:
+        kept, dropped = [], []
+        for s in samples:
+            too_old = max_off_policy_steps is not None and s.lag(self.weight_version) > max_off_policy_steps
+            (dropped if too_old else kept).append(s)
+        if not kept:
             return RolloutBatch([], metrics={"rollout/stale_dropped": float(len(dropped))}, dropped=dropped)
-        self._check_admissible(requests, groups)
+        # one group per continued sample; its metrics count them under rollout/resumed_samples
+        requests, groups, earlier, _ = self._resume_requests([SampleGroup(i, [s]) for i, s in enumerate(kept)])
         batch = self._serve_call(requests, groups, None, None, 1, earlier)
         batch.dropped = dropped
         batch.metrics["rollout/stale_dropped"] = float(len(dropped))
-        batch.metrics["rollout/resumed_samples"] = float(len(requests))
         return batch
 
     def continue_samples(self, samples: Sequence[Sample], appended: Sequence[Sequence[int]],
