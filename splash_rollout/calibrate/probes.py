@@ -71,8 +71,8 @@ def collective_costs(comm: Comm, repeats: int = 10) -> dict[str, tuple[float, fl
 
 def probe_rank(ctx) -> dict:
     """Every rank: its measurements (the profile takes the slowest rank's)."""
-    comm = Comm(ctx.groups.compute, ctx.rank, ctx.world_size)
-    control = Comm(ctx.groups.control, ctx.rank, ctx.world_size)
+    comm = Comm(ctx.groups.compute, ctx.rank, ctx.world_size, channel=ctx.groups.compute_channel)
+    control = Comm(ctx.groups.control, ctx.rank, ctx.world_size, channel=ctx.groups.control_channel)
     result = {"matmul_flops": matmul_flops(), "attention_flops": attention_flops(),
               "read_Bps": read_bandwidth(), "collectives": collective_costs(comm)}
     result["step_overhead_s"] = _median_seconds(lambda: control.broadcast_object({"plan": list(range(64))}), 10)

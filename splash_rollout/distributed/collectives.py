@@ -9,6 +9,10 @@ Padding used to make gloo's uneven gathers even is never counted. all-reduce is 
 
 gloo on CPU refuses uneven list forms, so uneven gathers pad to the largest piece and use
 ``all_gather_into_tensor``; uneven exchanges use ``all_to_all_single`` with split sizes.
+
+With a ``channel`` (``distributed/shm_channel.py``: ranks on one host), the synchronous CPU
+collectives that fit its slots go through shared memory instead of the process group; the bytes
+counted are the same either way, since they are the payload, not the transport.
 """
 from __future__ import annotations
 
@@ -66,16 +70,27 @@ def _row_bytes(t: torch.Tensor) -> int:
 class Comm:
     """One rank's collectives over one process group, with byte counting."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, counter: ByteCounter | None = None):
+    def __init__(self, group: Any, rank: int, world_size: int, counter: ByteCounter | None = None,
+                 channel: Any = None):
         self.group, self.rank, self.world_size = group, rank, world_size
         self.counter = counter if counter is not None else ByteCounter()
+        self.channel = channel if world_size > 1 else None
+        """A ``ShmChannel`` over the same ranks, or None (every collective through ``group``)."""
+
+    def _via_channel(self, tensor: torch.Tensor, nbytes: int) -> bool:
+        """Whether this operation goes through shared memory (the same answer on every rank: it
+        depends only on shapes and dtypes every rank agrees on)."""
+        return self.channel is not None and tensor.device.type == "cpu" and self.channel.fits(nbytes)
 
     # ---- all-reduce -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, tag: str = "step") -> torch.Tensor:
         """Sum in place over the group. tensor: any shape; returns it."""
         t = self.world_size
         if t > 1:
-            dist.all_reduce(tensor, group=self.group)
+            if tensor.is_contiguous() and self._via_channel(tensor, tensor.numel() * tensor.element_size()):
+                self.channel.all_reduce_(tensor)
+            else:
+                dist.all_reduce(tensor, group=self.group)
             ring = tensor.numel() * tensor.element_size() * 2 * (t - 1) // t
             self.counter.add(tag, ring, ring)
         return tensor
@@ -100,6 +115,10 @@ class Comm:
         padded = local.new_zeros((most,) + row_shape)
         padded[: sizes[r]] = local
         gathered = local.new_empty((t * most,) + row_shape)
+        if not async_op and self._via_channel(padded, most * row_bytes):
+            self.channel.all_gather_(gathered, padded)
+            pieces = [gathered[q * most: q * most + sizes[q]] for q in range(t)]
+            return torch.cat(pieces, dim=0)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         work = gather(gathered, padded, group=self.group, async_op=async_op)
 
@@ -128,6 +147,9 @@ class Comm:
         if t == 1:
             out.copy_(send)
             return Pending(None, lambda: out) if async_op else out
+        if not async_op and self.channel is not None and send.device.type == "cpu" \
+                and self.channel.all_to_all_(out, send, send_splits, recv_splits):
+            return out
         work = dist.all_to_all_single(out, send.contiguous(), output_split_sizes=list(recv_splits),
                                       input_split_sizes=list(send_splits), group=self.group, async_op=async_op)
         return Pending(work, lambda: out) if async_op else out
@@ -145,6 +167,11 @@ class Comm:
         ``tag``: the payload once per receiving peer on the sender, once on each receiver."""
         if self.world_size == 1:
             return payload
+        if self.channel is not None:
+            out = self.channel.broadcast_bytes(payload, src)
+            n = len(out)
+            self.counter.add(tag, n * (self.world_size - 1) if self.rank == src else 0, 0 if self.rank == src else n)
+            return out
         size = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
         dist.broadcast(size, src=src, group=self.group)
         n = int(size)

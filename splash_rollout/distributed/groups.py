@@ -7,6 +7,10 @@
 
 On CPU all three are gloo; on GPU compute and transfer are NCCL. Every collective gets a timeout
 at group creation, so a dead peer turns into an error, never a hang.
+
+Ranks on one host also get shared-memory channels for the step's CPU collectives (``compute`` on
+gloo, and ``control``): about a thousandth of gloo's latency for the small messages a step sends
+(``distributed/shm_channel.py``). ``SPLASH_ROLLOUT_SHM=0`` in the environment turns them off.
 """
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ class ProcessGroups:
     transfer: object
     control: object
     timeout_s: float
+    compute_channel: object = None
+    """A ``ShmChannel`` beside ``compute`` when it is gloo and every rank is on one host, else None."""
+    control_channel: object = None
+    """A ``ShmChannel`` beside ``control`` when every rank is on one host, else None."""
 
     @classmethod
     def single(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> "ProcessGroups":
@@ -56,7 +64,23 @@ def init_process_groups(rank: int, world_size: int, master_addr: str, master_por
     compute = dist.new_group(ranks, backend=backend, timeout=timeout)
     transfer = dist.new_group(ranks, backend=backend, timeout=timeout)
     control = dist.new_group(ranks, backend="gloo", timeout=timeout)
-    return ProcessGroups(rank, world_size, backend, compute, transfer, control, timeout_s)
+    return ProcessGroups(rank, world_size, backend, compute, transfer, control, timeout_s,
+                         *_channels(control, rank, world_size, backend, timeout_s))
+
+
+def shm_enabled() -> bool:
+    return os.environ.get("SPLASH_ROLLOUT_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _channels(control, rank: int, world_size: int, backend: str, timeout_s: float) -> tuple[object, object]:
+    """(compute channel, control channel), opened collectively over the gloo ``control`` group."""
+    if world_size == 1 or not shm_enabled():
+        return None, None
+    from splash_rollout.distributed.shm_channel import open_channel
+
+    control_channel = open_channel(control, rank, world_size, timeout_s)
+    compute_channel = open_channel(control, rank, world_size, timeout_s) if backend == "gloo" else None
+    return compute_channel, control_channel
 
 
 def init_from_torchrun(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
@@ -96,7 +120,8 @@ def groups_in_process(timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
     compute = dist.new_group(ranks, backend=backend, timeout=timeout)
     transfer = dist.new_group(ranks, backend=backend, timeout=timeout)
     control = dist.new_group(ranks, backend="gloo", timeout=timeout)
-    return ProcessGroups(rank, world, str(backend), compute, transfer, control, timeout_s)
+    return ProcessGroups(rank, world, str(backend), compute, transfer, control, timeout_s,
+                         *_channels(control, rank, world, str(backend), timeout_s))
 
 
 def ensure_default_group(rank: int, world_size: int, backend: str = "auto",

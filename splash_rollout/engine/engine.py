@@ -151,9 +151,9 @@ class Engine:
         self.device = torch.device(settings.device)
         self.full_shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.state_dict().items()}
         """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against."""
-        self.comm = Comm(groups.compute, rank, t)
+        self.comm = Comm(groups.compute, rank, t, channel=groups.compute_channel)
         self.transfer = Comm(groups.transfer, rank, t, self.comm.counter)
-        self.control = Comm(groups.control, rank, t, self.comm.counter)
+        self.control = Comm(groups.control, rank, t, self.comm.counter, channel=groups.control_channel)
         model.to(self.device)
         if t > 1:
             shard_feed_forward(model, rank, t, self.comm)

@@ -95,7 +95,7 @@ class LocalHost:
 
     def __init__(self, groups: ProcessGroups) -> None:
         self.ctx = LocalContext(groups)
-        self.control = Comm(groups.control, groups.rank, groups.world_size)
+        self.control = Comm(groups.control, groups.rank, groups.world_size, channel=groups.control_channel)
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,272 @@
+"""Collectives through shared memory for ranks on one host: microseconds where gloo takes a millisecond.
+
+gloo moves every collective over loopback TCP with its own threads; on a small CPU host a 2 KB
+all-reduce between two ranks takes about 1 ms, and an engine step makes about ten of them (one
+after each attention and feed-forward block, plus the control message). Ranks on one host can
+instead write their contribution into a mapped file and read each other's.
+
+Layout of the mapping (one per process group): ``world_size`` 64-byte lines, each holding a rank's
+arrival counter and its process id, then two banks (even and odd operations) of ``world_size`` slots of ``slot_bytes`` each.
+Operation ``s`` (counted from 1 on every rank, in the same order -- the engine's collectives are
+symmetric) writes into bank ``s % 2``:
+
+1. wait until every rank has arrived at ``s - 1`` (so nobody still reads bank ``s % 2`` from
+   operation ``s - 2``); for symmetric operations this already holds;
+2. copy this rank's bytes into its slot, fence, publish ``counter[rank] = s``;
+3. wait until the ranks it reads from have published ``s``, then read their slots.
+
+Publishing after the copy and reading after the counter is ordered on x86-64, where stores are not
+reordered with stores nor loads with loads; the fence (a locked instruction) also orders any
+non-temporal stores a large copy may use. Other architectures fall back to gloo (``supported()``).
+
+Reductions add the slots in rank order on every rank, so every rank gets the same bits. Waits spin
+briefly, then sleep in growing naps; a peer whose process has exited, or one silent for
+``timeout_s``, raises ``TimeoutError`` naming the operation and the rank, never a hang. The file is unlinked as soon as every rank has mapped it, so
+nothing is left behind if a rank dies.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import tempfile
+import threading
+import time
+import uuid
+
+import numpy as np
+import torch
+
+LINE_BYTES = 64
+DEFAULT_SLOT_BYTES = 1 << 20
+"""Largest contribution of one rank to one operation (1 MiB); larger ones use the process group."""
+SPIN_S = 1e-3
+"""Poll (yielding the core to anyone who wants it) this long before napping; most waits inside a step are shorter."""
+MAX_NAP_S = 1e-3
+
+
+def supported() -> bool:
+    """Whether this host's memory ordering lets the channel publish with plain stores."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class ShmChannel:
+    """One rank's end of a shared-memory channel among ``world_size`` ranks of one host."""
+
+    def __init__(self, path: str, rank: int, world_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 timeout_s: float = 60.0, create: bool = False) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"ShmChannel: rank {rank} outside world_size {world_size}")
+        self.rank, self.world_size, self.slot_bytes, self.timeout_s = rank, world_size, slot_bytes, timeout_s
+        self.path = path
+        header = LINE_BYTES * world_size
+        size = header + 2 * world_size * slot_bytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise RuntimeError(f"ShmChannel: {path} holds {os.fstat(fd).st_size} bytes, expected {size}")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        lines = np.frombuffer(self._map, dtype=np.int64, count=world_size * LINE_BYTES // 8)
+        self._counters = lines[:: LINE_BYTES // 8]  # [T] int64, one per cache line (a strided view)
+        self._pids = lines[1:: LINE_BYTES // 8]  # [T] int64: each rank's process id (0 until it maps)
+        self._pids[rank] = os.getpid()
+        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=header)  # [2 * T * slot_bytes]
+        self._fence = threading.Lock()
+        self.seq = 0
+        """Operations this rank has started."""
+
+    # ---- slots ----------------------------------------------------------------------------
+    def _slot(self, seq: int, rank: int) -> torch.Tensor:
+        start = ((seq % 2) * self.world_size + rank) * self.slot_bytes
+        return self._data[start: start + self.slot_bytes]
+
+    def _publish(self, seq: int) -> None:
+        with self._fence:  # a locked instruction: every store of the copy is visible before the counter
+            pass
+        self._counters[self.rank] = seq
+
+    def _wait(self, seq: int, ranks, what: str) -> None:
+        """Until every rank in ``ranks`` has published ``seq`` or more."""
+        counters = self._counters
+        start = time.perf_counter()
+        nap = 1e-5
+        for q in ranks:
+            while counters[q] < seq:
+                waited = time.perf_counter() - start
+                if waited < SPIN_S:
+                    os.sched_yield()  # busy, but a peer waiting for this core gets it
+                    continue
+                if waited > self.timeout_s or (nap == MAX_NAP_S and not self._alive(q)):
+                    cause = ("its process has exited" if not self._alive(q) else
+                             "it is stuck or left the collective sequence")
+                    raise TimeoutError(f"shared-memory {what} (operation {seq}): rank {self.rank} waited "
+                                       f"{waited:.1f} s for rank {q}, which is at operation {int(counters[q])}; "
+                                       f"{cause}")
+                time.sleep(nap)
+                nap = min(2 * nap, MAX_NAP_S)
+
+    def _alive(self, rank: int) -> bool:
+        pid = int(self._pids[rank])
+        if pid <= 0 or pid == os.getpid():
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process: it exists
+            return True
+        return True
+
+    def _begin(self, what: str) -> int:
+        self.seq += 1
+        if self.seq > 2:  # bank seq % 2 was last read in operation seq - 2
+            self._wait(self.seq - 1, range(self.world_size), what)
+        return self.seq
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.slot_bytes
+
+    # ---- operations -----------------------------------------------------------------------
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` (contiguous, CPU, at most ``slot_bytes``) over the ranks in place, adding
+        the contributions in rank order on every rank."""
+        flat = tensor.view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        seq = self._begin("all_reduce")
+        self._slot(seq, self.rank)[:nbytes].copy_(flat.view(torch.uint8))
+        self._publish(seq)
+        self._wait(seq, range(self.world_size), "all_reduce")
+        parts = [self._slot(seq, q)[:nbytes].view(flat.dtype) for q in range(self.world_size)]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        flat.copy_(total)
+        return tensor
+
+    def all_gather_(self, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``out`` [T * n, ...] gets every rank's ``local`` [n, ...] (same shape on every rank) in rank order."""
+        flat = local.contiguous().view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        seq = self._begin("all_gather")
+        self._slot(seq, self.rank)[:nbytes].copy_(flat.view(torch.uint8))
+        self._publish(seq)
+        self._wait(seq, range(self.world_size), "all_gather")
+        if nbytes == 0:  # nothing to move, but the operation still counts on every rank
+            return out
+        pieces = out.view(self.world_size, -1)
+        for q in range(self.world_size):
+            pieces[q].copy_(self._slot(seq, q)[:nbytes].view(flat.dtype))
+        return out
+
+    def all_to_all_(self, out: torch.Tensor, send: torch.Tensor, send_splits, recv_splits) -> bool:
+        """Rows ``send[sum(send_splits[:q]) : ...]`` to rank q; ``out`` gets the rows from each rank in
+        rank order. Each rank writes a header (whether its rows fit, where each destination's rows
+        start) and, if they fit, its rows. Returns False on every rank, having moved nothing, when
+        any rank's rows do not fit its slot (the caller then uses the process group)."""
+        flat = send.contiguous().view(-1).view(torch.uint8)
+        row_bytes = flat.numel() // max(sum(send_splits), 1) if sum(send_splits) else 0
+        header_bytes = 8 * (self.world_size + 1)
+        fits = header_bytes + flat.numel() <= self.slot_bytes
+        starts = np.zeros(self.world_size + 1, dtype=np.int64)
+        starts[0] = 1 if fits else 0
+        starts[1:] = np.cumsum([0] + [row_bytes * n for n in send_splits[:-1]])
+        seq = self._begin("all_to_all")
+        slot = self._slot(seq, self.rank)
+        slot[:header_bytes].copy_(torch.from_numpy(starts.view(np.uint8)))
+        if fits:
+            slot[header_bytes: header_bytes + flat.numel()].copy_(flat)
+        self._publish(seq)
+        self._wait(seq, range(self.world_size), "all_to_all")
+        heads = [self._slot(seq, q)[:header_bytes].view(torch.int64) for q in range(self.world_size)]
+        if not all(int(h[0]) for h in heads):
+            return False
+        dst = out.view(-1).view(torch.uint8)
+        row_out = dst.numel() // max(sum(recv_splits), 1) if sum(recv_splits) else 0
+        at = 0
+        for q in range(self.world_size):
+            n = recv_splits[q] * row_out
+            begin = header_bytes + int(heads[q][1 + self.rank])
+            dst[at: at + n].copy_(self._slot(seq, q)[begin: begin + n])
+            at += n
+        return True
+
+    def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
+        """``src``'s payload (any length: sent in slot-sized pieces) on every rank."""
+        if self.rank == src:
+            pieces = [payload[i: i + self.slot_bytes - 8] for i in range(0, max(len(payload), 1), self.slot_bytes - 8)]
+            for k, piece in enumerate(pieces):
+                seq = self._begin("broadcast")
+                slot = self._slot(seq, src)
+                header = np.array([len(payload) if k == 0 else len(piece)], dtype=np.int64).view(np.uint8)
+                slot[:8].copy_(torch.from_numpy(header))
+                if piece:
+                    slot[8: 8 + len(piece)].copy_(torch.frombuffer(bytearray(piece), dtype=torch.uint8))
+                self._publish(seq)
+            return payload
+        chunks, total, got = [], None, 0
+        while total is None or got < total:
+            seq = self._begin("broadcast")
+            self._publish(seq)  # arrival: this rank has finished reading operation seq - 1
+            self._wait(seq, (src,), "broadcast")
+            slot = self._slot(seq, src)
+            first = total is None
+            size = int(slot[:8].view(torch.int64)[0])
+            total = size if first else total
+            take = min(total, self.slot_bytes - 8) if first else size
+            chunks.append(slot[8: 8 + take].numpy().tobytes())
+            got += take
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        self._data = None
+        self._counters = None
+        try:
+            self._map.close()
+        except BufferError:  # a view of the mapping is still alive somewhere: the OS frees it at exit
+            pass
+
+
+def open_channel(group, rank: int, world_size: int, timeout_s: float,
+                 slot_bytes: int = DEFAULT_SLOT_BYTES) -> ShmChannel | None:
+    """Collective over ``group`` (gloo): a channel when every rank can map the same file (one host,
+    x86-64), else None on every rank."""
+    import torch.distributed as dist
+
+    path = os.path.join(shm_dir(), f"splash-{uuid.uuid4().hex}") if rank == 0 else None
+    ok = supported()
+    channel = None
+    box = [path if ok else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    path = box[0]
+    if path is not None and ok:
+        try:
+            channel = ShmChannel(path, rank, world_size, slot_bytes, timeout_s, create=rank == 0) if rank == 0 else None
+        except OSError:
+            channel = None
+    dist.barrier(group=group)  # the file exists before the others open it
+    if rank != 0 and path is not None and ok:
+        try:
+            channel = ShmChannel(path, rank, world_size, slot_bytes, timeout_s)
+        except (OSError, RuntimeError):
+            channel = None
+    mapped = [None] * world_size
+    dist.all_gather_object(mapped, channel is not None, group=group)
+    if rank == 0 and path is not None:
+        try:
+            os.unlink(path)  # every rank has it mapped (or gave up): nothing outlives the group
+        except OSError:
+            pass
+    if not all(mapped):
+        if channel is not None:
+            channel.close()
+        return None
+    return channel
