@@ -197,21 +197,30 @@ class LayoutPolicy:
         extra = -(-sc.layer_buffer_bytes // d.sizes.kv_bytes_per_token_total)  # in pool tokens
         return fits(dst, hold, d.pools.get(dst, 0) - extra, d.world_size, owners)
 
-    def phase_seconds_per_token(self, priced: dict, batch: StepBatch, horizon: float, prefill_left: int
+    def phase_seconds_per_token(self, priced: dict, batch: StepBatch, horizon: float, prefill_left: int,
+                                hold: np.ndarray | None = None, waiting: Waiting | None = None
                                 ) -> dict[Layout, float]:
         """Per layout: predicted seconds per processed row over the next ``horizon`` steps. The
         ``prefill_left`` rows still to prefill (running prompts beyond this step, and the queue's)
         take ceil(rows / that layout's prefill rows per step) steps at the cost of the step it would
         run now; the rest of the horizon runs the batch decoding, one row per request (cost at the
-        current context). A layout whose step prefills nothing is priced on decode alone."""
+        current context). Every layout is priced on the same work: one whose pool cannot take the
+        queue's head now still has that prompt to prefill later, priced as the step it would run
+        if its pool had room (``hold``, ``waiting``: as ``decide`` gets them); with nothing to
+        prefill the phase is decode alone."""
         d = self.dep
         decode = StepBatch.make(np.maximum(batch.context, 1), np.ones(batch.size, dtype=np.int64), batch.owners)
+        hold = batch.context if hold is None else hold
         out = {}
         for l, (cost, step, _) in priced.items():
             if not cost.feasible or batch.size == 0:
                 out[l] = cost.seconds / max(1, step.rows)
                 continue
             pre_rows = int(step.query_rows[step.query_rows > 1].sum())
+            if not pre_rows and prefill_left and waiting is not None and waiting.prompt.size:
+                step, _, _ = admit(l, batch, hold, waiting, 1 << 62, d.world_size, d.page_size)
+                cost = step_time(l, step, d.model, d.profile, d.sizes)
+                pre_rows = int(step.query_rows[step.query_rows > 1].sum())
             n_pre = min(max(horizon, 1.0), math.ceil(prefill_left / pre_rows)) if pre_rows and prefill_left else 0
             n_dec = max(horizon - n_pre, 0.0)
             dec_s = step_time(l, decode, d.model, d.profile, d.sizes).seconds if n_dec else 0.0
@@ -241,7 +250,7 @@ class LayoutPolicy:
             if prefill_left is None:
                 prefill_left = int(batch.query_rows[batch.query_rows > 1].sum()) + (
                     int(waiting.prompt.sum()) if waiting is not None else 0)
-            spt = self.phase_seconds_per_token(priced, batch, horizon, int(prefill_left))
+            spt = self.phase_seconds_per_token(priced, batch, horizon, int(prefill_left), hold, waiting)
         else:
             spt = {l: c.seconds / rows[l] for l, c in costs.items()}
         eff = {l: spt[l] * ref_rows if costs[l].feasible else math.inf for l in costs}

@@ -275,7 +275,8 @@ def _log_switch(switches: list, d, now: float, step: int, src: Layout, batch: in
     switches.append({"t": now, "step": step, "src": src.value, "dst": d.chosen.value, "exposed_s": d.switch_cost_s,
                      "blocking_s": d.blocking_cost_s, "batch": batch, "cause": cause, "reason": d.reason,
                      "step_costs": {k: (None if math.isinf(v) else v) for k, v in d.step_costs.items()},
-                     "admitted": dict(d.admitted), "horizon_steps": d.horizon_steps})
+                     "admitted": dict(d.admitted), "horizon_steps": d.horizon_steps,
+                     "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in d.seconds_per_token.items()}})
 
 
 def simulate(work: Workload, dep: Deployment, mode: Layout | str, cfg: SimConfig = SimConfig()) -> SimResult:
