@@ -4,9 +4,13 @@ Paper §4.2: run the fastest layout whose KV fits; switch only when the candidat
 steps the current batch is expected to keep running, pays the switch's exposed cost plus a margin.
 Rules, in order:
 
-1. never enter a layout that cannot hold the batch (its reserved KV, plus one layer's switch buffers
-   beyond it: Eq. 5 headroom);
-2. if the current layout cannot hold the batch, move to the fastest one that can;
+1. never enter a layout that cannot hold the batch (its reserved KV -- what each request is
+   expected to reach -- plus one layer's switch buffers beyond it: Eq. 5 headroom);
+2. if the current layout cannot hold the batch's real KV (what it holds after this step), move to
+   the fastest one that can. Staying is judged on real KV, not on the expected totals: the
+   estimate is an admission bound, and a batch whose real KV later outgrows the pool is what
+   retraction (``relieve_pressure``) answers; an estimate that outgrows the pool while the real
+   KV fits must not force a switch;
 3. stay at least ``min_dwell_steps`` steps in a layout (hysteresis against oscillating loads);
 4. switch only if the candidate is faster by ``rel_margin`` and
    ``lead × horizon > overlapped switch cost + abs_margin_s``, where the horizon is a quantile of the
@@ -165,16 +169,18 @@ class LayoutPolicy:
         self.dep = deployment
         self.config = config
 
-    def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None
-                       ) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
+    def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None,
+                       current: Layout | None = None) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
         """Per layout: (cost of the step it would run, that step's batch, queued requests it admits).
-        A layout whose pool cannot hold ``reserved`` (default: the live context) costs inf."""
+        A layout whose pool cannot hold ``reserved`` (default: the live context) costs inf; the
+        ``current`` layout only when its pool cannot hold the live context (the batch is already
+        there: staying needs its real KV to fit, the estimate only gates its admission)."""
         d = self.dep
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
         out = {}
         for l in self.config.layouts:
             pool = d.pools.get(l, 0)
-            if not fits(l, hold, pool, d.world_size, batch.owners):
+            if not fits(l, batch.context if l is current else hold, pool, d.world_size, batch.owners):
                 out[l] = (StepCost(l, math.inf, feasible=False, reason=f"{l.value}: reserved KV does not fit"), batch, 0)
                 continue
             step, _, added = admit(l, batch, hold, waiting, pool, d.world_size, d.page_size)
@@ -238,7 +244,7 @@ class LayoutPolicy:
         ``price_phase``; default: this step's chunk rows and the queue's prompts)."""
         cfg = self.config
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
-        priced = self.admitted_costs(batch, hold, waiting)
+        priced = self.admitted_costs(batch, hold, waiting, current)
         costs = {l: c for l, (c, _, _) in priced.items()}
         rows = {l: max(1, st.rows) for l, (_, st, _) in priced.items()}
         feasible = [l for l, c in costs.items() if c.feasible]
