@@ -210,10 +210,12 @@ class LayoutPolicy:
         ``prefill_left`` rows still to prefill (running prompts beyond this step, and the queue's)
         take ceil(rows / that layout's prefill rows per step) steps at the cost of the step it would
         run now; the rest of the horizon runs the batch decoding, one row per request (cost at the
-        current context). Every layout is priced on the same work: one whose pool cannot take the
-        queue's head now still has that prompt to prefill later, priced as the step it would run
-        if its pool had room (``hold``, ``waiting``: as ``decide`` gets them); with nothing to
-        prefill the phase is decode alone."""
+        current context). Every layout is priced on the same work at its own prefill rate: the
+        step it would run with the queue's head admitted up to the token budget as if its pool had
+        room (``hold``, ``waiting``: as ``decide`` gets them). Over a phase the queue enters as the
+        running requests finish, in any layout; what this one step happens to admit (one prompt
+        on one owner, or none while the pool is full) is a snapshot, not the layout's prefill
+        rate. With nothing to prefill the phase is decode alone."""
         d = self.dep
         decode = StepBatch.make(np.maximum(batch.context, 1), np.ones(batch.size, dtype=np.int64), batch.owners)
         hold = batch.context if hold is None else hold
@@ -222,11 +224,10 @@ class LayoutPolicy:
             if not cost.feasible or batch.size == 0:
                 out[l] = cost.seconds / max(1, step.rows)
                 continue
-            pre_rows = int(step.query_rows[step.query_rows > 1].sum())
-            if not pre_rows and prefill_left and waiting is not None and waiting.prompt.size:
+            if prefill_left and waiting is not None and waiting.prompt.size:
                 step, _, _ = admit(l, batch, hold, waiting, 1 << 62, d.world_size, d.page_size)
                 cost = step_time(l, step, d.model, d.profile, d.sizes)
-                pre_rows = int(step.query_rows[step.query_rows > 1].sum())
+            pre_rows = int(step.query_rows[step.query_rows > 1].sum())
             n_pre = min(max(horizon, 1.0), math.ceil(prefill_left / pre_rows)) if pre_rows and prefill_left else 0
             n_dec = max(horizon - n_pre, 0.0)
             dec_s = step_time(l, decode, d.model, d.profile, d.sizes).seconds if n_dec else 0.0

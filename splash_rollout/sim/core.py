@@ -249,6 +249,21 @@ def _horizon(st: _Run, idx: np.ndarray) -> np.ndarray:
     return residual_tokens(st.generated[idx], w.max_new[idx], *st.ended)
 
 
+def _prefill_in_phase(running_left: np.ndarray, running_residual: np.ndarray, queued_prompt: np.ndarray,
+                      max_running: int, quantile: float) -> int:
+    """Prompt rows the group prefills over the policy's horizon: what the running requests still have
+    to prefill, and the prompts of the queued requests that enter within it -- one per free slot now
+    and one per running request that finishes within the horizon (its residual at most the
+    horizon). The queue behind those waits for a later phase: a draining queue of thousands of
+    prompts enters as the batch turns over, not all within the horizon.
+
+    running_left: [P] rows the running prefills have left; running_residual: [B] residual decode steps
+    per running request; queued_prompt: [W] prompt rows of the queue, FCFS."""
+    horizon = float(np.quantile(running_residual, quantile)) if running_residual.size else 0.0
+    enter = max(max_running - running_residual.size, 0) + int((running_residual <= horizon).sum())
+    return int(running_left.sum() + queued_prompt[:enter].sum())
+
+
 def _rows(st: _Run, layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The running requests' rows this step in ``layout``: (run [B], rows left [B], prefilling [B] bool,
     query rows [B]). A request with one row left decodes (that row samples its next token)."""
@@ -316,8 +331,10 @@ def simulate(work: Workload, dep: Deployment, mode: Layout | str, cfg: SimConfig
                     queued = np.fromiter(st.queue, dtype=np.int64, count=len(st.queue))[: cfg.max_running]
                     waiting = Waiting.make(st.num_tokens(queued) - st.computed[queued], st.expected_total(queued),
                                            cfg.chunk_tokens, cfg.max_running)
-                    d = policy.decide(layout, batch, _horizon(st, np.concatenate([run, queued])), in_layout,
-                                      st.expected[run], waiting, int(left[pre].sum() + waiting.prompt.sum()))
+                    residual = _horizon(st, np.concatenate([run, queued]))
+                    d = policy.decide(layout, batch, residual, in_layout, st.expected[run], waiting,
+                                      _prefill_in_phase(left[pre], residual[: run.size], waiting.prompt,
+                                                        cfg.max_running, cfg.policy.horizon_quantile))
                     cause = "policy"
                 if d.switch:
                     now += d.switch_cost_s
