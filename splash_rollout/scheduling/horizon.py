@@ -7,8 +7,17 @@ overstates a tail switch's saving several-fold. This module estimates the residu
 responses of the same call that have already ended, with the Kaplan-Meier product-limit estimator:
 a sample that stopped is an event at its length; one still running (or cut at its cap) is censored
 at its current length -- it is known to be at least that long, not how much longer. The estimate is
-the median residual life, ``t* - g`` with ``S(t*) <= S(g) / 2``; with too few stops to say, or when
-the survival curve never halves past ``g``, the cap is used.
+the median residual life, ``t* - g`` with ``S(t*) <= S(g) / 2``; with too few stops to say, the cap
+is used.
+
+Past the longest length observed (stopped, censored or running), the samples say nothing more, and
+a running request that has outlived every one of them would otherwise get the whole cap while one
+a token younger gets the distance to the next stop: the horizon jumped between the two by 40x as
+requests aged. There the survival curve is continued by a prior from the cap: it falls linearly
+from its last value to zero at the request's cap (the residual uniform on what the cap leaves).
+The estimate is then continuous in the request's age: a request past every observation gets half
+of what its cap leaves, and one whose halving point lies just past the last observation gets a
+residual just past it.
 """
 from __future__ import annotations
 
@@ -46,4 +55,12 @@ def residual_tokens(generated, max_new, stopped_lengths, censored_lengths=(), mi
     half = np.searchsorted(-survival, -(0.5 * s_g + 1e-12), side="left")
     found = (half < times.size) & (s_g > 1e-11)
     residual = times[np.minimum(half, times.size - 1)] - g
-    return np.where(found, np.minimum(residual, cap), cap)
+    # not halved within the observations: the tail prior, S(t) = S(t_max) (c - t) / (c - t_max) on
+    # [t_max, c] for the request's cap c = max_new; its halving point t* solves S(t*) = S(g) / 2
+    t_max = int(everyone[-1])
+    last = float(survival[-1])
+    c = np.maximum(np.asarray(max_new, dtype=np.int64).reshape(-1), t_max)
+    frac = np.divide(0.5 * s_g, last, out=np.ones_like(s_g), where=last > 0)  # in (0, 1] where used
+    t_star = c - (c - t_max) * np.minimum(frac, 1.0)
+    tail = np.ceil(t_star - g - 1e-9).astype(np.int64)  # g <= t_max: every running age is an observation
+    return np.where(found, np.minimum(residual, cap), np.clip(tail, 0, cap))
