@@ -4,9 +4,13 @@ Paper §4.2: run the fastest layout whose KV fits; switch only when the candidat
 steps the current batch is expected to keep running, pays the switch's exposed cost plus a margin.
 Rules, in order:
 
-1. never enter a layout that cannot hold the batch (its reserved KV, plus one layer's switch buffers
-   beyond it: Eq. 5 headroom);
-2. if the current layout cannot hold the batch, move to the fastest one that can;
+1. never enter a layout that cannot hold the batch (its reserved KV -- what each request is
+   expected to reach -- plus one layer's switch buffers beyond it: Eq. 5 headroom);
+2. if the current layout cannot hold the batch's real KV (what it holds after this step), move to
+   the fastest one that can. Staying is judged on real KV, not on the expected totals: the
+   estimate is an admission bound, and a batch whose real KV later outgrows the pool is what
+   retraction (``relieve_pressure``) answers; an estimate that outgrows the pool while the real
+   KV fits must not force a switch;
 3. stay at least ``min_dwell_steps`` steps in a layout (hysteresis against oscillating loads);
 4. switch only if the candidate is faster by ``rel_margin`` and
    ``lead × horizon > overlapped switch cost + abs_margin_s``, where the horizon is a quantile of the
@@ -49,6 +53,12 @@ class PolicyConfig:
     round_trip: bool = True
     """Charge a switch twice -- there and, if the load turns back, back again -- so a lead that
     only pays one way (a load that oscillates around a crossover) does not switch."""
+    price_phase: bool = False
+    """Compare layouts over the phase ahead instead of one step: the steps that still prefill (the
+    pending prompt rows over the rows each layout's prefill step takes) at that step's cost, the
+    rest of the horizon at the cost of the batch decoding. One step's shape flips between a prefill
+    chunk and pure decode as requests finish and are admitted, and the layout that wins a chunk
+    step (CP, on a long chunk) is not the one that wins the phase when decode steps dominate it."""
 
     def __post_init__(self) -> None:
         if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:
@@ -159,16 +169,18 @@ class LayoutPolicy:
         self.dep = deployment
         self.config = config
 
-    def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None
-                       ) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
+    def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None,
+                       current: Layout | None = None) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
         """Per layout: (cost of the step it would run, that step's batch, queued requests it admits).
-        A layout whose pool cannot hold ``reserved`` (default: the live context) costs inf."""
+        A layout whose pool cannot hold ``reserved`` (default: the live context) costs inf; the
+        ``current`` layout only when its pool cannot hold the live context (the batch is already
+        there: staying needs its real KV to fit, the estimate only gates its admission)."""
         d = self.dep
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
         out = {}
         for l in self.config.layouts:
             pool = d.pools.get(l, 0)
-            if not fits(l, hold, pool, d.world_size, batch.owners):
+            if not fits(l, batch.context if l is current else hold, pool, d.world_size, batch.owners):
                 out[l] = (StepCost(l, math.inf, feasible=False, reason=f"{l.value}: reserved KV does not fit"), batch, 0)
                 continue
             step, _, added = admit(l, batch, hold, waiting, pool, d.world_size, d.page_size)
@@ -191,26 +203,68 @@ class LayoutPolicy:
         extra = -(-sc.layer_buffer_bytes // d.sizes.kv_bytes_per_token_total)  # in pool tokens
         return fits(dst, hold, d.pools.get(dst, 0) - extra, d.world_size, owners)
 
+    def phase_seconds_per_token(self, priced: dict, batch: StepBatch, horizon: float, prefill_left: int,
+                                hold: np.ndarray | None = None, waiting: Waiting | None = None
+                                ) -> dict[Layout, float]:
+        """Per layout: predicted seconds per processed row over the next ``horizon`` steps. The
+        ``prefill_left`` rows still to prefill (running prompts beyond this step, and the queue's)
+        take ceil(rows / that layout's prefill rows per step) steps at the cost of the step it would
+        run now; the rest of the horizon runs the batch decoding, one row per request (cost at the
+        current context). Every layout is priced on the same work at its own prefill rate: the
+        step it would run with the queue's head admitted up to the token budget as if its pool had
+        room (``hold``, ``waiting``: as ``decide`` gets them). Over a phase the queue enters as the
+        running requests finish, in any layout; what this one step happens to admit (one prompt
+        on one owner, or none while the pool is full) is a snapshot, not the layout's prefill
+        rate. With nothing to prefill the phase is decode alone."""
+        d = self.dep
+        decode = StepBatch.make(np.maximum(batch.context, 1), np.ones(batch.size, dtype=np.int64), batch.owners)
+        hold = batch.context if hold is None else hold
+        out = {}
+        for l, (cost, step, _) in priced.items():
+            if not cost.feasible or batch.size == 0:
+                out[l] = cost.seconds / max(1, step.rows)
+                continue
+            if prefill_left and waiting is not None and waiting.prompt.size:
+                step, _, _ = admit(l, batch, hold, waiting, 1 << 62, d.world_size, d.page_size)
+                cost = step_time(l, step, d.model, d.profile, d.sizes)
+            pre_rows = int(step.query_rows[step.query_rows > 1].sum())
+            n_pre = min(max(horizon, 1.0), math.ceil(prefill_left / pre_rows)) if pre_rows and prefill_left else 0
+            n_dec = max(horizon - n_pre, 0.0)
+            dec_s = step_time(l, decode, d.model, d.profile, d.sizes).seconds if n_dec else 0.0
+            seconds = n_pre * cost.seconds + n_dec * dec_s
+            work = n_pre * step.rows + n_dec * batch.size
+            out[l] = seconds / work if work else cost.seconds / max(1, step.rows)
+        return out
+
     def decide(self, current: Layout | None, batch: StepBatch, remaining_tokens, steps_in_layout: int = 0,
-               reserved=None, waiting: Waiting | None = None) -> Decision:
+               reserved=None, waiting: Waiting | None = None, prefill_left: int | None = None) -> Decision:
         """Next layout for ``batch``. ``remaining_tokens``: [B] max_new_tokens left per request;
         ``reserved``: [B] tokens each request may reach (prompt + max_new_tokens) for the fit check;
-        ``waiting``: the queue behind the batch (each layout is priced on what its pool admits)."""
+        ``waiting``: the queue behind the batch (each layout is priced on what its pool admits);
+        ``prefill_left``: prompt rows the running batch and the queue still have to prefill (with
+        ``price_phase``; default: this step's chunk rows and the queue's prompts)."""
         cfg = self.config
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
-        priced = self.admitted_costs(batch, hold, waiting)
+        priced = self.admitted_costs(batch, hold, waiting, current)
         costs = {l: c for l, (c, _, _) in priced.items()}
         rows = {l: max(1, st.rows) for l, (_, st, _) in priced.items()}
         feasible = [l for l, c in costs.items() if c.feasible]
-        # compare layouts on the same amount of work: seconds for the reference step's rows
-        ref_rows = rows[current] if current in feasible else max((rows[l] for l in feasible), default=1)
-        eff = {l: c.seconds * ref_rows / rows[l] for l, c in costs.items()}
-        secs = {l.value: c.seconds for l, c in costs.items()}
-        extra = {"admitted": {l.value: a for l, (_, _, a) in priced.items()},
-                 "seconds_per_token": {l.value: c.seconds / rows[l] for l, c in costs.items()}}
-        order = sorted((eff[l], i, l) for i, l in enumerate(costs) if costs[l].feasible)
         rem = np.asarray(remaining_tokens, dtype=np.float64)
         horizon = float(np.quantile(rem, cfg.horizon_quantile)) if rem.size else 0.0
+        # compare layouts on the same amount of work: seconds for the reference step's rows
+        ref_rows = rows[current] if current in feasible else max((rows[l] for l in feasible), default=1)
+        if cfg.price_phase:
+            if prefill_left is None:
+                prefill_left = int(batch.query_rows[batch.query_rows > 1].sum()) + (
+                    int(waiting.prompt.sum()) if waiting is not None else 0)
+            spt = self.phase_seconds_per_token(priced, batch, horizon, int(prefill_left), hold, waiting)
+        else:
+            spt = {l: c.seconds / rows[l] for l, c in costs.items()}
+        eff = {l: spt[l] * ref_rows if costs[l].feasible else math.inf for l in costs}
+        secs = {l.value: c.seconds for l, c in costs.items()}
+        extra = {"admitted": {l.value: a for l, (_, _, a) in priced.items()},
+                 "seconds_per_token": {l.value: spt[l] if costs[l].feasible else math.inf for l in costs}}
+        order = sorted((eff[l], i, l) for i, l in enumerate(costs) if costs[l].feasible)
         if not order:
             keep = current if current is not None else cfg.layouts[0]
             return Decision(current, keep, False, "no layout holds the batch; keep", secs, horizon_steps=horizon,

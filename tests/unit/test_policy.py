@@ -84,6 +84,19 @@ def test_forced_out_of_a_layout_that_overflows(dep):
     assert d.switch and d.chosen is not Layout.TP and "cannot hold" in d.reason
 
 
+def test_staying_is_judged_on_real_kv_entering_on_the_expected_totals(dep):
+    pool = dep.pools[Layout.DP]  # per owner: one rank's pool
+    batch = _batch(8, pool // 4, t=8)  # one request per owner, a quarter of its pool each
+    reserved = np.full(8, pool + 1)  # each is expected to outgrow its owner's pool
+    pol = LayoutPolicy(dep, PolicyConfig(min_dwell_steps=0))
+    stay = pol.decide(Layout.DP, batch, np.full(8, 100), steps_in_layout=1000, reserved=reserved)
+    assert np.isfinite(stay.step_costs["dp"]) and "cannot hold" not in stay.reason
+    assert stay.chosen is Layout.DP or stay.step_costs[stay.chosen.value] < stay.step_costs["dp"]
+    # from elsewhere DP-attention is not entered on the same batch: its estimate does not fit
+    other = pol.decide(Layout.TP, batch, np.full(8, 100), steps_in_layout=1000, reserved=reserved)
+    assert not np.isfinite(other.step_costs["dp"]) and other.chosen is not Layout.DP
+
+
 def test_choose_owner_least_projected_ties_low():
     assert choose_owner([5, 3, 3, 9], 100) == 1
     assert choose_owner([0, 0], 7) == 0
