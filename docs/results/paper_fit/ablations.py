@@ -7,7 +7,7 @@ judged by numbers before it is added to `splash_rollout/sim/paper.py`. It rebuil
 design matrix of `paper.py` (same relative-error NNLS, same prior on the stage scales); the
 `default` variant reproduces `sim fit` + `sim paper` exactly (checked at start).
 
-    python docs/results/paper_fit/ablations.py --platform b200 --json docs/results/paper_fit/b200_ablations.json
+    PYTHONPATH=. python docs/results/paper_fit/ablations.py --platform b200 --json docs/results/paper_fit/b200_ablations.json
 """
 from __future__ import annotations
 
