@@ -1,0 +1,187 @@
+"""Held-out ablations of the published-sweep fit: which extra terms or structures would move the targets.
+
+`sim fit` / `sim paper` run one model. This script runs the same held-out protocol (fit on two
+sweeps, evaluate on the other two, and the swap) for variants of that model that the serving
+model does not carry -- extra columns, dropped or shared constants, a robust loss -- so a term is
+judged by numbers before it is added to `splash_rollout/sim/paper.py`. It rebuilds the fit on the
+design matrix of `paper.py` (same relative-error NNLS, same prior on the stage scales); the
+`default` variant reproduces `sim fit` + `sim paper` exactly (checked at start).
+
+    PYTHONPATH=. python docs/results/paper_fit/ablations.py --platform b200 --json docs/results/paper_fit/b200_ablations.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from splash_rollout.layout import ALL_LAYOUTS, Layout
+from splash_rollout.scheduling.numeric_fit import nnls
+from splash_rollout.sim import paper
+
+HALVES = {"b200": (["B16_in", "64K_bs"], ["B32_in", "128K_bs"]),
+          "dcu": (["B16_in", "32K_bs"], ["B32_in", "64K_bs"]),
+          "h200": (["B16_in", "32K_bs"], ["B32_in", "64K_bs"])}
+SOFT_L1_SCALE = 0.1
+"""Relative-error scale of the robust variant (the CPU engine fit's soft-L1 scale)."""
+
+
+def prefill_capacity(serving, layout: Layout, length: int) -> int:
+    """Prompts of ``length`` tokens the prefill group's pool holds at once: TP / CP one pool over the
+    group, DP-attention / DOP each owner its own share (a prompt cannot use another owner's room)."""
+    dep = serving.prefill
+    distinct, t = dep.footprints[layout].distinct_tokens, dep.world_size
+    if layout in (Layout.DP, Layout.DOP):
+        return t * ((distinct // t) // length)
+    return distinct // length
+
+
+def waiting_requests(serving, pt: paper.Point, layout: Layout) -> float:
+    """Requests of the batch beyond what the prefill pool holds (they wait for a finished prompt to leave)."""
+    return float(max(pt.batch - prefill_capacity(serving, layout, pt.input_tokens), 0))
+
+
+def kv_senders(layout: Layout) -> int:
+    """Ranks that send one prompt's KV to the decode group: CP shards the sequence over the 8 ranks;
+    DP-attention / DOP keep a prompt on its owner; TP ranks hold replicas (one sends)."""
+    return 8 if layout is Layout.CP else 1
+
+
+class Variant:
+    """One model: which BASE terms are per layout, which are dropped, extra columns, the loss."""
+
+    def __init__(self, name: str, per_layout: Sequence[str] = paper.PER_LAYOUT_DEFAULT, drop: Sequence[str] = (),
+                 extra: Callable | None = None, extra_per_layout: bool = False, senders: bool = False,
+                 robust: bool = False, note: str = ""):
+        self.name, self.per_layout, self.drop, self.extra = name, tuple(per_layout), tuple(drop), extra
+        self.extra_per_layout, self.senders, self.robust, self.note = extra_per_layout, senders, robust, note
+
+    def design(self, serving, pts: Sequence[paper.Point], table: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """[P, 4, C] design matrix and its C column names."""
+        table = table.copy()
+        if self.senders:
+            k = paper.BASE.index("transfer_bytes")
+            table[:, :, k] /= np.array([kv_senders(l) for l in ALL_LAYOUTS])[None, :]
+        cols = [c for c in paper.columns(self.per_layout) if c.partition("/")[0] not in self.drop]
+        d = paper.design(table, cols)
+        if self.extra is None:
+            return d, cols
+        e = np.array([[self.extra(serving, pt, l) for l in ALL_LAYOUTS] for pt in pts])  # [P, 4]
+        if self.extra_per_layout:
+            add = np.stack([np.where(np.arange(4)[None, :] == k, e, 0.0) for k in range(4)], axis=-1)
+            return np.concatenate([d, add], axis=-1), cols + [f"extra/{l}" for l in paper.LAYOUT_NAMES]
+        return np.concatenate([d, e[..., None]], axis=-1), cols + ["extra"]
+
+
+def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], robust: bool) -> np.ndarray:
+    """[C] constants: NNLS on relative error of T_batch, the stage scales pulled toward 1 as in paper.fit."""
+    measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in paper.LAYOUT_NAMES] for pt in pts])
+    a = (d / measured_s[:, :, None]).reshape(-1, len(cols))
+    fixed = cols.index("overhead")
+    b = np.ones(a.shape[0]) - a[:, fixed]
+    free = [k for k in range(len(cols)) if k != fixed]
+    size = np.maximum(np.abs(a[:, free]).max(axis=0), 1e-300)
+    rows, rhs = [a[:, free] / size], [b]
+    weight = paper.SCALE_PRIOR * math.sqrt(len(b))
+    for j, k in enumerate(free):
+        if cols[k].partition("/")[0] in paper.PRIOR:
+            r = np.zeros((1, len(free)))
+            r[0, j] = weight / size[j]
+            rows.append(r)
+            rhs.append(np.array([weight * paper.PRIOR[cols[k].partition("/")[0]]]))
+    a_all, b_all = np.vstack(rows), np.concatenate(rhs)
+    z = nnls(a_all, b_all)
+    for _ in range(30 if robust else 0):  # IRLS for the soft-L1 loss on the data rows
+        w = np.ones(b_all.size)
+        w[:b.size] = (1.0 + ((a_all[:b.size] @ z - b_all[:b.size]) / SOFT_L1_SCALE) ** 2) ** -0.25
+        z = nnls(a_all * w[:, None], b_all * w)
+    coef = np.zeros(len(cols))
+    coef[fixed] = 1.0
+    coef[free] = z / size
+    return coef
+
+
+def summary(pred: np.ndarray, pts: Sequence[paper.Point]) -> dict:
+    meas = np.array([[pt.measured[l] for l in paper.LAYOUT_NAMES] for pt in pts])  # [P, 4]
+    chosen = pred.argmax(axis=1)
+    regret = 1.0 - meas[np.arange(len(pts)), chosen] / meas.max(axis=1)
+    err = np.median(np.abs(pred / meas - 1.0), axis=0)
+    return {"mean_regret": float(regret.mean()), "max_regret": float(regret.max()),
+            "worst_point": f"{pts[int(regret.argmax())].input_tokens}/B={pts[int(regret.argmax())].batch}",
+            "exact_leaders": int((chosen == meas.argmax(axis=1)).sum()), "points": len(pts),
+            "median_abs_error": dict(zip(paper.LAYOUT_NAMES, map(float, err)))}
+
+
+def run(platform: str, variants: Sequence[Variant]) -> dict:
+    base = paper.base_serving(platform)
+    first, second = HALVES[platform]
+    data = {}
+    for h in (first, second):
+        pts = paper.points(platform, h)
+        data[tuple(h)] = (pts, paper.feature_table(base, pts))
+    out = {}
+    for v in variants:
+        halves = []
+        for train, test in ((first, second), (second, first)):
+            (ptr, ttr), (pte, tte) = data[tuple(train)], data[tuple(test)]
+            dtr, cols = v.design(base, ptr, ttr)
+            dte, _ = v.design(base, pte, tte)
+            coef = fit_columns(dtr, cols, ptr, v.robust)
+            pred = np.array([pt.tokens for pt in pte], dtype=np.float64)[:, None] / (dte @ coef) / 1e3
+            halves.append({"train": "+".join(train), **summary(pred, pte),
+                           "constants": {c: float(x) for c, x in zip(cols, coef) if x}})
+        out[v.name] = {"note": v.note, "halves": halves,
+                       "exact_leaders_both": sum(h["exact_leaders"] for h in halves),
+                       "points_both": sum(h["points"] for h in halves)}
+    return out
+
+
+VARIANTS = (
+    Variant("default", note="the shipped model (sim fit / sim paper)"),
+    Variant("pool_wait_transfer", extra=lambda s, pt, l: waiting_requests(s, pt, l) * pt.input_tokens
+            * s.prefill.sizes.kv_bytes_per_token_total, note="each request beyond the prefill pool waits one "
+            "prompt's KV transfer; a shared s/byte column"),
+    Variant("pool_wait_per_layout", extra=waiting_requests, extra_per_layout=True,
+            note="free seconds per waiting request per layout (an upper bound on what the pool term can do)"),
+    Variant("robust_soft_l1", robust=True, note="soft-L1 loss on relative error, scale 0.1"),
+    Variant("no_request_cost", drop=("requests",), note="per-request constants removed"),
+    Variant("shared_step_cost", per_layout=("attention", "comm", "requests", "tokens"),
+            note="one per-step constant for all layouts"),
+    Variant("layout_batch_cost", per_layout=(*paper.PER_LAYOUT_DEFAULT, "batch"), drop=("requests",),
+            note="per-layout batch constant instead of per-request constants"),
+    Variant("layout_batch_cost+cp_senders", per_layout=(*paper.PER_LAYOUT_DEFAULT, "batch"), drop=("requests",),
+            senders=True, note="and the last prompt's KV leaves CP's 8 ranks in parallel"),
+    Variant("cp_senders", senders=True, note="the shipped model with CP's KV sent by 8 ranks"),
+    Variant("layout_batch_cost+cp_senders+pool_wait", per_layout=(*paper.PER_LAYOUT_DEFAULT, "batch"),
+            drop=("requests",), senders=True, extra=lambda s, pt, l: waiting_requests(s, pt, l) * pt.input_tokens
+            * s.prefill.sizes.kv_bytes_per_token_total, note="all three"),
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--platform", default="b200", choices=sorted(HALVES))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result = run(args.platform, VARIANTS)
+    shipped = [paper.report(paper.fit(paper.base_serving(args.platform), paper.points(args.platform, tr))[0],
+                            paper.points(args.platform, te))["summary"]
+               for tr, te in (HALVES[args.platform], HALVES[args.platform][::-1])]
+    for got, want in zip(result["default"]["halves"], shipped):
+        if abs(got["mean_regret"] - want["mean_regret"]) > 1e-9 or got["exact_leaders"] != want["exact_leaders"]:
+            raise RuntimeError("ablations: the default variant does not reproduce paper.fit; the script is stale")
+    for name, r in result.items():
+        cells = [f"mean {h['mean_regret']:.2%} max {h['max_regret']:.2%} ({h['worst_point']}) exact "
+                 f"{h['exact_leaders']}/{h['points']} err " + "/".join(f"{e:.1%}" for e in h["median_abs_error"].values())
+                 for h in r["halves"]]
+        print(f"{name:30s} {r['exact_leaders_both']:2d}/{r['points_both']} | " + " | ".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"platform": args.platform, "variants": result}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
