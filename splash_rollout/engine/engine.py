@@ -36,7 +36,7 @@ from splash_rollout.engine.executors.dp import DPExecutor
 from splash_rollout.engine.executors.tp import TPExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
-from splash_rollout.engine.admission import AdmissionSettings
+from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
 from splash_rollout.engine.layout_driver import LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner

@@ -4,7 +4,7 @@ The pool (``kv_pool.py``) owns the memory; this class owns only page ids. A page
 one reference (``allocate``); the samples of a prompt that share its KV add one each (``share``);
 ``free`` drops one reference and the page returns to the free list when none is left. Admission
 does not reserve pages here: the scheduler decides how much growth to expect
-(``engine/admission.py``) and takes pages as tokens arrive.
+(``scheduling/admission.py``) and takes pages as tokens arrive.
 """
 from __future__ import annotations
 

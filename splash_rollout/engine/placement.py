@@ -12,7 +12,7 @@ The samples of one prompt share its KV: their tables point at the same physical 
 prompt's full pages (``attach`` / ``fork`` add references), and a sample that writes into a page
 another sample also needs gets its own copy first (``fork``: copy-on-write of the prompt's partly
 filled last page). Pages are taken as tokens arrive (``grow``); how much growth to expect, and
-whether a request is admitted at all, is the scheduler's decision (``engine/admission.py``).
+whether a request is admitted at all, is the scheduler's decision (``scheduling/admission.py``).
 """
 from __future__ import annotations
 

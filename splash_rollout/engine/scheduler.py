@@ -14,7 +14,7 @@ Memory, in three rules (every rank's replica applies them identically):
   page copied, ``KVPlacement.fork``). A sample of a prompt admitted while another sample of it is
   live takes that sample's computed full prompt pages (``attach``) and computes only the rest.
 * **Expected growth.** Admission counts what each running request is expected to still need
-  (``engine/admission.py``), not its cap, so the wide phase runs as many requests as the pool holds.
+  (``scheduling/admission.py``), not its cap, so the wide phase runs as many requests as the pool holds.
 * **Retraction.** When a step cannot get the pages its rows need, the youngest running requests
   give theirs back (tokens, logprobs and sampler draws kept) and wait at the queue head; re-admitted,
   they prefill what they had and continue with the draws they would have made.
@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from splash_rollout.engine.admission import AdmissionSettings, GrowthEstimate
+from splash_rollout.scheduling.admission import AdmissionSettings, GrowthEstimate
 from splash_rollout.engine.page_manager import num_pages_for
 from splash_rollout.engine.placement import KVPlacement, PageCopy
 from splash_rollout.engine.request import Request, RequestStatus

@@ -70,7 +70,7 @@ class EngineConfig:
     set on every rank and in the calling process."""
     admission: str = "optimistic"
     """``optimistic``: admit on each request's expected growth (a ratio of its remaining cap that decays
-    while memory holds, engine/admission.py) and, when a step runs out of KV pages, retract the
+    while memory holds, scheduling/admission.py) and, when a step runs out of KV pages, retract the
     youngest requests (tokens kept; they re-prefill later and continue exactly). ``worst_case``:
     every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
     prefix_sharing: bool = True
@@ -117,7 +117,7 @@ class EngineConfig:
 
         if self.attention_backend not in available_backends():
             raise ValueError(f"attention_backend: expected one of {available_backends()}, got {self.attention_backend!r}")
-        from splash_rollout.engine.admission import ADMISSION_MODES
+        from splash_rollout.scheduling.admission import ADMISSION_MODES
 
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")

@@ -22,7 +22,7 @@ import torch
 
 from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
-from splash_rollout.engine.admission import AdmissionSettings
+from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout

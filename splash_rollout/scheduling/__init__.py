@@ -1,5 +1,5 @@
-"""Scheduling (pure): hardware profile θ, cost model t_ℓ(x; θ), switch cost, policy π, owner choice.
-numpy / pyyaml only; imports models.config and layout only."""
+"""Scheduling (pure): hardware profile θ, cost model t_ℓ(x; θ), switch cost, policy π, owner choice,
+admission's growth estimate. numpy / pyyaml only; imports models.config and layout only."""
 from splash_rollout.scheduling.cost_model import STAGES, StepBatch, StepCost, layout_fits, step_time, step_times
 from splash_rollout.scheduling.deployment import Deployment
 from splash_rollout.scheduling.policy import Decision, LayoutPolicy, PolicyConfig, choose_owner

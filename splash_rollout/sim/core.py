@@ -1,7 +1,7 @@
 """Continuous-batching event simulation on the cost model: what these CPUs cannot run.
 
 One group serves a queue of requests in one fixed layout, or adaptively under π with switch costs
-charged. Admission is the engine's own rule (``engine.admission``): each running request is
+charged. Admission is the engine's own rule (``scheduling.admission``): each running request is
 expected to reach ``num_tokens + ceil(ratio * (cap - num_tokens))`` tokens, with the ratio decaying
 per step while memory holds and bumped by every retraction; ``worst_case`` admission reserves the
 cap. A step admits FCFS while the layout's pools hold every running request's expected total
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splash_rollout.engine.admission import AdmissionSettings, GrowthEstimate
+from splash_rollout.scheduling.admission import AdmissionSettings, GrowthEstimate
 from splash_rollout.layout import Layout, fits
 from splash_rollout.layout.fit import rank_demand
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, choose_owner, step_time

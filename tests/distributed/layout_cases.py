@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.admission import AdmissionSettings
+from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.engine.scheduler import Scheduler

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from splash_rollout.engine.admission import AdmissionSettings
+from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.model import MLAForCausalLM

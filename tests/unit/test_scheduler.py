@@ -6,7 +6,7 @@ from splash_rollout.engine.forward_batch import ForwardBatch, current_batch, for
 from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.layout import Layout
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.engine.admission import AdmissionSettings
+from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.scheduler import Scheduler as _Scheduler
 
 WORST_CASE = AdmissionSettings(mode="worst_case")

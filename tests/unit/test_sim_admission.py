@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from splash_rollout.engine.admission import AdmissionSettings
+from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, step_time
 from splash_rollout.sim import SimConfig, Workload, simulate

@@ -13,7 +13,8 @@ keep their tokens, queue them again) raises it by ``retract_bump`` (at most 1), 
 off after pressure; it starts afresh with every batch that arrives at an idle engine (a new rollout
 step: its own lengths, and a resumed run admits exactly like an uninterrupted one). ``worst_case``
 is the same rule with ``ratio`` fixed at 1.
-Every rank's scheduler replica runs the same estimate, so they admit the same requests.
+Every rank's scheduler replica runs the same estimate, so they admit the same requests; the GPU-scale
+simulator runs it too, so its drains admit like the engine.
 """
 from __future__ import annotations
 
