@@ -241,23 +241,22 @@ def open_channel(group, rank: int, world_size: int, timeout_s: float,
     x86-64), else None on every rank."""
     import torch.distributed as dist
 
-    path = os.path.join(shm_dir(), f"splash-{uuid.uuid4().hex}") if rank == 0 else None
-    ok = supported()
-    channel = None
-    box = [path if ok else None]
+    box = [os.path.join(shm_dir(), f"splash-{uuid.uuid4().hex}") if rank == 0 and supported() else None]
     dist.broadcast_object_list(box, src=0, group=group)
     path = box[0]
-    if path is not None and ok:
+
+    def try_map() -> ShmChannel | None:
+        if path is None or not supported():
+            return None
         try:
-            channel = ShmChannel(path, rank, world_size, slot_bytes, timeout_s, create=rank == 0) if rank == 0 else None
-        except OSError:
-            channel = None
-    dist.barrier(group=group)  # the file exists before the others open it
-    if rank != 0 and path is not None and ok:
-        try:
-            channel = ShmChannel(path, rank, world_size, slot_bytes, timeout_s)
+            return ShmChannel(path, rank, world_size, slot_bytes, timeout_s, create=rank == 0)
         except (OSError, RuntimeError):
-            channel = None
+            return None
+
+    channel = try_map() if rank == 0 else None
+    dist.barrier(group=group)  # the file exists before the others open it
+    if rank != 0:
+        channel = try_map()
     mapped = [None] * world_size
     dist.all_gather_object(mapped, channel is not None, group=group)
     if rank == 0 and path is not None:
