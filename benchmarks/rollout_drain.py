@@ -84,7 +84,8 @@ def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
     config = EngineConfig(model=args.model, world_size=args.world_size, layout=layout, seed=args.seed,
                           memory_budget_gib=args.memory_budget_gib,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          profile=args.profile, attention_backend=backend)
+                          profile=args.profile, attention_backend=backend,
+                          online_correction=not args.no_online_correction)
     sampling = [SamplingParams(n=work["n"], temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=args.seed + i)
                 for i, m in enumerate(work["response_lens"])]
     build0 = time.perf_counter()
@@ -113,6 +114,11 @@ def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
         "phases": [{k: p[k] for k in ("layout", "t_start", "t_end", "steps", "batch_size_start", "batch_size_end",
                                       "tokens")} for p in tl.phases],
         "decisions": len(tl.decisions),
+        # the layout driver's own time on rank 0 (consulting and feeding the policy), and what it learned
+        "policy_s": out.metrics.get("timing_s/policy", 0.0),
+        "policy_share_of_wall": out.metrics.get("timing_s/policy", 0.0) / wall,
+        "policy_consults": max((d.get("consults", 0) for d in tl.decisions), default=0),
+        "correction": tl.decisions[-1].get("correction") if tl.decisions else None,
     }
 
 
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--profile", default="cpu", help="hardware profile auto prices layouts with")
+    ap.add_argument("--no-online-correction", action="store_true",
+                    help="auto prices with the profile as it is (no correction from measured steps)")
     ap.add_argument("--hf-batch", type=int, default=64, help="rows per transformers generate call")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peer")
     ap.add_argument("--seed", type=int, default=0)
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_backends": backend_ratios,
         "model": args.model, "world_size": args.world_size, "quick": args.quick,
         "engine": {"memory_budget_gib": args.memory_budget_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "max_num_seqs": args.max_num_seqs, "profile": args.profile, "attention_backends": backends,
+                   "max_num_seqs": args.max_num_seqs, "profile": args.profile,
+                   "online_correction": not args.no_online_correction, "attention_backends": backends,
                    "dtype": "float32", "torch_threads_per_rank": max(1, (os.cpu_count() or 1) // args.world_size)},
         "workload": describe(work, params, args.seed),
         "runs": runs,

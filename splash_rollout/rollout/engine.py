@@ -152,7 +152,8 @@ class RolloutEngine:
                    "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(len(steps)),
                    "perf/max_running": float(max((s["running"] for s in steps), default=0)),
                    "perf/control_bytes_max": float(max(control)), "perf/control_bytes_mean": float(np.mean(control)),
-                   "timing_s/generate": elapsed}
+                   "timing_s/generate": elapsed,
+                   "timing_s/policy": float(sum(s["split_s"].get("policy", 0.0) for s in steps))}
         metrics.update(layout_metrics(timeline))
         return RolloutBatch(out, timeline, metrics)
 

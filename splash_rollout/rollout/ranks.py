@@ -209,8 +209,10 @@ def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes
                                   mem_fraction=1.0)
     sizes = sizes_for(model_config, dtype)
     fps = footprints(sizes, world_size, RankBudget(budget_bytes), config.page_size)
+    from splash_rollout.scheduling.online import StepTimeCorrection
+
     return LayoutPolicy(Deployment(model_config, profile, sizes, fps, config.page_size, sizes.weight_dtype,
-                                   sizes.kv_format))
+                                   sizes.kv_format), correction=StepTimeCorrection() if config.online_correction else None)
 
 
 # ---- what every rank runs (module level so they pickle by name) ----------------------------------------

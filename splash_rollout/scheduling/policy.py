@@ -19,19 +19,28 @@ queued ones its pool admits, FIFO, within the step's token budget -- and layouts
 per token processed, not per step. A layout whose larger pool admits more of the queue can lead
 while the queue lasts, and lose the lead to a faster one once the batch drains.
 
+With a ``StepTimeCorrection`` (scheduling/online.py; the engine's ``auto`` has one) every price is
+θ's prediction corrected by the step times measured so far, and each decision carries the
+corrected θ. Admission is planned once per call -- the queue head within the token budget, owners by
+least projected KV, the same for every layout -- and each layout only checks, vectorised over the
+prefixes of that plan, how far its pool follows it.
+
 Every call returns a ``Decision`` record the engine stores in its timeline.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
+from splash_rollout.layout.layouts import Ownership
 from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
 from splash_rollout.scheduling.deployment import Deployment
-from splash_rollout.scheduling.switch_cost import SwitchCost, switch_cost
+from splash_rollout.scheduling.online import GROUPS, StepTimeCorrection, stage_groups, step_shape
+from splash_rollout.scheduling.switch_cost import SwitchCost, layer_transfer_seconds, overlapped_seconds
 
 
 @dataclass(frozen=True)
@@ -49,10 +58,19 @@ class PolicyConfig:
     round_trip: bool = True
     """Charge a switch twice -- there and, if the load turns back, back again -- so a lead that
     only pays one way (a load that oscillates around a crossover) does not switch."""
+    decide_every_steps: int = 16
+    """An engine consults the policy at events (admissions, finished requests, a deferred switch,
+    the running batch moving by ``decide_batch_fraction``) and at least every this many steps."""
+    decide_batch_fraction: float = 0.25
+    """Relative change of the running batch since the last decision that makes a new one due."""
 
     def __post_init__(self) -> None:
         if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:
             raise ValueError("policy: margins and min_dwell_steps must be non-negative")
+        if self.decide_every_steps < 1:
+            raise ValueError(f"decide_every_steps: expected a positive integer, got {self.decide_every_steps}")
+        if not 0.0 < self.decide_batch_fraction <= 1.0:
+            raise ValueError(f"decide_batch_fraction: expected a value in (0, 1], got {self.decide_batch_fraction}")
         if not 0.0 <= self.horizon_quantile <= 1.0:
             raise ValueError(f"horizon_quantile: expected a value in [0, 1], got {self.horizon_quantile}")
 
@@ -75,6 +93,10 @@ class Decision:
     """Queued requests each layout's pool would admit this step (capacity that changes admission)."""
     seconds_per_token: dict[str, float] = field(default_factory=dict)
     """Predicted seconds per processed token (query row) of the step each layout would run."""
+    prior_step_costs: dict[str, float] = field(default_factory=dict)
+    """θ's own seconds per step per layout, before the online correction (empty without one)."""
+    correction: dict = field(default_factory=dict)
+    """The corrected θ the prices used (``online.Factors.to_dict``; empty without a correction)."""
 
     def to_dict(self) -> dict:
         return {"current": None if self.current is None else self.current.value, "chosen": self.chosen.value,
@@ -82,7 +104,9 @@ class Decision:
                 "step_costs": {k: (None if math.isinf(v) else v) for k, v in self.step_costs.items()},
                 "switch_cost_s": self.switch_cost_s, "blocking_cost_s": self.blocking_cost_s,
                 "horizon_steps": self.horizon_steps, "admitted": dict(self.admitted),
-                "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in self.seconds_per_token.items()}}
+                "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in self.seconds_per_token.items()},
+                "prior_step_costs": {k: (None if math.isinf(v) else v) for k, v in self.prior_step_costs.items()},
+                "correction": self.correction}
 
 
 def choose_owner(projected_tokens_per_rank, new_request_tokens: int = 0) -> int:
@@ -117,47 +141,129 @@ class Waiting:
         return cls(p, r, int(token_budget), int(max_seqs))
 
 
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """The queue head a step could admit, before any pool says no: FIFO within the token budget and
+    ``max_seqs``, owners by least projected KV, reservations in whole pages. The same for every
+    layout (none of it depends on the layout); each layout admits a prefix of it (``admits``)."""
+
+    chunk: np.ndarray
+    """[K] int64: prefill rows each candidate would run this step."""
+    reserved: np.ndarray
+    """[K] int64: tokens each reserves (page-rounded)."""
+    owners: np.ndarray
+    """[K] int64: the owner each would get."""
+
+    @classmethod
+    def make(cls, batch: StepBatch, hold: np.ndarray, waiting: Waiting | None, world_size: int,
+             page_size: int = 1) -> "AdmissionPlan":
+        if waiting is None or waiting.prompt.size == 0:
+            return cls(*(np.zeros(0, np.int64),) * 3)
+        budget = waiting.token_budget - int(batch.query_rows.sum())
+        before = np.cumsum(waiting.prompt) - waiting.prompt  # [W] prompt tokens ahead of each
+        k = min(int(np.count_nonzero(before < budget)), max(0, waiting.max_seqs - batch.size))
+        chunk = np.minimum(waiting.prompt[:k], budget - before[:k])
+        reserved = -(-waiting.reserved[:k] // page_size) * page_size
+        projected = (np.bincount(batch.owners, weights=hold.astype(np.float64), minlength=world_size)[:world_size]
+                     if batch.size else np.zeros(world_size)).tolist()
+        owners = []
+        for res in reserved.tolist():  # greedy and sequential; K is what one step's budget admits
+            owner = min(range(world_size), key=projected.__getitem__)  # ties go to the lowest rank
+            owners.append(owner)
+            projected[owner] += res
+        return cls(chunk.astype(np.int64), reserved.astype(np.int64), np.asarray(owners, dtype=np.int64))
+
+    def admits(self, layout: Layout, hold: np.ndarray, hold_owners: np.ndarray, pool_tokens: int,
+               world_size: int) -> int:
+        """How many of the plan ``layout``'s pool admits: the longest prefix whose KV fits (FIFO:
+        the first that does not fit blocks the rest). Vectorised over the prefixes."""
+        if not self.reserved.size:
+            return 0
+        ownership = layout.ownership
+        if ownership is Ownership.EVERY or ownership is Ownership.POSITIONS:
+            demand = int(hold.sum()) + np.cumsum(self.reserved)  # [K] after admitting 1..K
+            if ownership is Ownership.POSITIONS:
+                demand = -(-demand // world_size)
+        else:
+            base = np.bincount(hold_owners, weights=hold, minlength=world_size)[:world_size] if hold.size \
+                else np.zeros(world_size)
+            added = np.zeros((self.reserved.size, world_size))
+            added[np.arange(self.reserved.size), self.owners] = self.reserved
+            demand = (base + np.cumsum(added, axis=0)).max(axis=1)  # [K] busiest owner after 1..K
+        return int(np.count_nonzero(np.cumprod(demand <= pool_tokens)))
+
+    def step(self, batch: StepBatch, hold: np.ndarray, added: int) -> tuple[StepBatch, np.ndarray]:
+        """The step with the first ``added`` candidates admitted, and its reserved tokens per request."""
+        if not added:
+            return batch, hold
+        c = self.chunk[:added]
+        grown = StepBatch.make(np.concatenate([batch.context, c]), np.concatenate([batch.query_rows, c]),
+                               np.concatenate([batch.owners, self.owners[:added]]),
+                               None if batch.sampling_rows is None else batch.sampling_rows + added)
+        return grown, np.concatenate([hold, self.reserved[:added]])
+
+
 def admit(layout: Layout, batch: StepBatch, hold: np.ndarray, waiting: Waiting | None, pool_tokens: int,
           world_size: int, page_size: int = 1) -> tuple[StepBatch, np.ndarray, int]:
     """The step ``layout`` would run: ``batch`` plus the head of ``waiting`` its pool admits (FIFO,
     reservations rounded up to whole pages, owners by least projected KV, a prefill chunk each within
     the token budget). Returns (step batch, reserved tokens per request, requests admitted)."""
-    if waiting is None or waiting.prompt.size == 0:
-        return batch, hold, 0
-    ctx, rows, owners, reserved = list(batch.context), list(batch.query_rows), list(batch.owners), list(hold)
-    budget = waiting.token_budget - int(batch.query_rows.sum())
-    projected = np.bincount(np.asarray(owners, dtype=np.int64), weights=np.asarray(reserved, dtype=np.float64),
-                            minlength=world_size)[:world_size] if owners else np.zeros(world_size)
-    added = 0
-    for prompt, res in zip(waiting.prompt, waiting.reserved):
-        if budget <= 0 or len(ctx) >= waiting.max_seqs:
-            break
-        res = int(-(-int(res) // page_size) * page_size)
-        owner = choose_owner(projected)
-        if not fits(layout, np.asarray(reserved + [res], dtype=np.int64), pool_tokens, world_size,
-                    np.asarray(owners + [owner], dtype=np.int64)):
-            break  # FIFO: the head waits, and so does everything behind it
-        chunk = min(int(prompt), budget)
-        ctx.append(chunk)
-        rows.append(chunk)
-        owners.append(owner)
-        reserved.append(res)
-        projected[owner] += res
-        budget -= chunk
-        added += 1
-    if not added:
-        return batch, hold, 0
-    grown = StepBatch.make(ctx, rows, owners, None if batch.sampling_rows is None else batch.sampling_rows + added)
-    return grown, np.asarray(reserved, dtype=np.int64), added
+    hold = np.asarray(hold, dtype=np.int64)
+    plan = AdmissionPlan.make(batch, hold, waiting, world_size, page_size)
+    added = plan.admits(layout, hold, batch.owners, pool_tokens, world_size)
+    step, reserved = plan.step(batch, hold, added)
+    return step, reserved, added
+
+
+REPRICE_STEPS = 8
+"""Consecutive observed steps of one signature that share θ's price (``LayoutPolicy.observe_step``)."""
 
 
 class LayoutPolicy:
-    """π over one deployment. Stateless apart from the configuration: the caller passes the current
-    layout and how long it has been in it."""
+    """π over one deployment. The caller passes the current layout and how long it has been in it;
+    the only state is the optional online correction, which ``observe_step`` feeds."""
 
-    def __init__(self, deployment: Deployment, config: PolicyConfig = PolicyConfig()):
+    def __init__(self, deployment: Deployment, config: PolicyConfig = PolicyConfig(),
+                 correction: StepTimeCorrection | None = None):
+        """correction: corrects θ's step times from measured ones (None: θ's predictions as they are)."""
         self.dep = deployment
         self.config = config
+        self.correction = correction
+        self._priced: tuple | None = None
+        """The last step θ priced for the correction: (key, shape, groups, steps it has priced)."""
+
+    def observe_step(self, layout: Layout, batch, measured_s: float, signature: tuple | None = None) -> None:
+        """A step that ran in ``layout`` and took ``measured_s`` (not a switching step), priced by θ
+        and handed to the correction; without one, nothing to learn. ``batch``: the step's StepBatch,
+        or a callable that builds it (called only when θ prices the step anew). ``signature``: a
+        cheap key of the step's shape (requests, rows, ...): consecutive steps with the same key
+        reuse θ's price of the first for ``REPRICE_STEPS`` steps -- a decode step's price moves by
+        one token of context per request per step."""
+        if self.correction is None:
+            return
+        key = (layout, signature)
+        if signature is not None and self._priced is not None and self._priced[0] == key \
+                and self._priced[3] < REPRICE_STEPS:
+            _, shape, groups, uses = self._priced
+            self._priced = (key, shape, groups, uses + 1)
+        else:
+            step = batch() if callable(batch) else batch
+            if not step.size:
+                return
+            prior = step_time(layout, step, self.dep.model, self.dep.profile, self.dep.sizes)
+            shape, groups = step_shape(step.size, int(np.count_nonzero(step.query_rows > 1))), stage_groups(prior.stages)
+            self._priced = (key, shape, groups, 1)
+        self.correction.observe(layout.value, shape, groups, measured_s)
+
+    def _corrected(self, cost: StepCost, batch: StepBatch) -> StepCost:
+        """``cost`` with its seconds (and per-layer seconds, which hide a switch's transfers) corrected."""
+        if self.correction is None or not cost.feasible:
+            return cost
+        prefill = int(np.count_nonzero(batch.query_rows > 1))
+        seconds = self.correction.factors().seconds(cost.layout.value, step_shape(batch.size, prefill),
+                                                    stage_groups(cost.stages))
+        ratio = seconds / cost.seconds if cost.seconds > 0 else 1.0
+        return dataclasses.replace(cost, seconds=seconds, layer_seconds=tuple(x * ratio for x in cost.layer_seconds))
 
     def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None
                        ) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
@@ -165,13 +271,15 @@ class LayoutPolicy:
         A layout whose pool cannot hold ``reserved`` (default: the live context) costs inf."""
         d = self.dep
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
+        plan = AdmissionPlan.make(batch, hold, waiting, d.world_size, d.page_size)
         out = {}
         for l in self.config.layouts:
             pool = d.pools.get(l, 0)
             if not fits(l, hold, pool, d.world_size, batch.owners):
                 out[l] = (StepCost(l, math.inf, feasible=False, reason=f"{l.value}: reserved KV does not fit"), batch, 0)
                 continue
-            step, _, added = admit(l, batch, hold, waiting, pool, d.world_size, d.page_size)
+            added = plan.admits(l, hold, batch.owners, pool, d.world_size)
+            step, _ = plan.step(batch, hold, added)
             cost = step_time(l, step, d.model, d.profile, d.sizes) if step.size else StepCost(l, math.inf, feasible=False,
                                                                                           reason=f"{l.value}: admits nothing")
             out[l] = (cost, step, added)
@@ -181,7 +289,11 @@ class LayoutPolicy:
         stored = np.maximum(batch.context - batch.query_rows, 0)
         kv = BatchKV(tuple(int(x) for x in stored), tuple(int(o) for o in batch.owners), self.dep.page_size)
         plan = SwitchPlan.build(src, dst, self.dep.sizes, kv, self.dep.world_size)
-        return switch_cost(plan, self.dep.profile, dst_cost.layer_seconds)
+        x = layer_transfer_seconds(plan, self.dep.profile)
+        if self.correction is not None:  # the transfers are collectives: the corrected comm rate prices them
+            x = tuple(v * float(self.correction.factors().stage[GROUPS.index("comm")]) for v in x)
+        return SwitchCost(plan.src, plan.dst, float(sum(x)), float(overlapped_seconds(x, dst_cost.layer_seconds)), x,
+                          int(plan.max_bytes_received), int(plan.layer_buffer_bytes))
 
     def _headroom_ok(self, dst: Layout, hold: np.ndarray, owners: np.ndarray, sc: SwitchCost) -> bool:
         """Eq. 5: one layer's incoming buffers beyond the destination's footprint must fit."""
@@ -199,6 +311,8 @@ class LayoutPolicy:
         cfg = self.config
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
         priced = self.admitted_costs(batch, hold, waiting)
+        prior = {l.value: c.seconds for l, (c, _, _) in priced.items()} if self.correction is not None else {}
+        priced = {l: (self._corrected(c, st), st, a) for l, (c, st, a) in priced.items()}
         costs = {l: c for l, (c, _, _) in priced.items()}
         rows = {l: max(1, st.rows) for l, (_, st, _) in priced.items()}
         feasible = [l for l, c in costs.items() if c.feasible]
@@ -207,7 +321,9 @@ class LayoutPolicy:
         eff = {l: c.seconds * ref_rows / rows[l] for l, c in costs.items()}
         secs = {l.value: c.seconds for l, c in costs.items()}
         extra = {"admitted": {l.value: a for l, (_, _, a) in priced.items()},
-                 "seconds_per_token": {l.value: c.seconds / rows[l] for l, c in costs.items()}}
+                 "seconds_per_token": {l.value: c.seconds / rows[l] for l, c in costs.items()},
+                 "prior_step_costs": prior,
+                 "correction": self.correction.factors().to_dict() if self.correction is not None else {}}
         order = sorted((eff[l], i, l) for i, l in enumerate(costs) if costs[l].feasible)
         rem = np.asarray(remaining_tokens, dtype=np.float64)
         horizon = float(np.quantile(rem, cfg.horizon_quantile)) if rem.size else 0.0

@@ -157,3 +157,41 @@ def test_a_switch_names_the_faster_layouts_it_passed_over(dep):
     assert d.step_costs["dp"] < d.step_costs["dop"] and fits(Layout.DP, np.full(b, per), dep.pools[Layout.DP], 8, owners)
     assert d.switch and d.chosen is Layout.DOP
     assert d.reason.startswith("dp: no headroom") and "forced to dop" in d.reason, d.reason
+
+
+def _admit_one_by_one(layout, batch, hold, waiting, pool, t, page):
+    """The admission rule written as the loop it is: one queued request at a time, FIFO."""
+    ctx, owners, reserved, budget = list(batch.context), list(batch.owners), list(hold), waiting.token_budget - batch.rows
+    projected = np.bincount(np.asarray(owners, dtype=np.int64), weights=np.asarray(reserved, float), minlength=t)[:t]
+    chunks = []
+    for prompt, res in zip(waiting.prompt, waiting.reserved):
+        if budget <= 0 or len(ctx) >= waiting.max_seqs:
+            break
+        res = -(-int(res) // page) * page
+        owner = choose_owner(projected)
+        if not fits(layout, np.asarray(reserved + [res]), pool, t, np.asarray(owners + [owner])):
+            break
+        chunk = min(int(prompt), budget)
+        ctx.append(chunk), owners.append(owner), reserved.append(res), chunks.append(chunk)
+        projected[owner] += res
+        budget -= chunk
+    return chunks, owners, reserved
+
+
+def test_vectorised_admission_equals_the_one_by_one_rule():
+    from splash_rollout.scheduling.policy import Waiting, admit
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        t, b, w = int(rng.integers(1, 5)), int(rng.integers(0, 12)), int(rng.integers(0, 30))
+        ctx = rng.integers(1, 400, b)
+        batch = StepBatch.make(ctx, rng.integers(1, 3, b).clip(max=ctx), rng.integers(0, t, b))
+        hold = ctx + rng.integers(0, 200, b)
+        waiting = Waiting.make(rng.integers(1, 300, w), rng.integers(300, 900, w), int(rng.integers(1, 1200)),
+                               int(rng.integers(1, 40)))
+        pool, page = int(rng.integers(500, 6000)), int(rng.choice([1, 16]))
+        for layout in ALL_LAYOUTS:
+            chunks, owners, reserved = _admit_one_by_one(layout, batch, hold, waiting, pool, t, page)
+            step, res, added = admit(layout, batch, hold, waiting, pool, t, page)
+            assert added == len(chunks) and list(step.query_rows[b:]) == chunks
+            assert list(step.owners) == owners and list(res) == reserved
