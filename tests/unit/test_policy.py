@@ -195,3 +195,13 @@ def test_vectorised_admission_equals_the_one_by_one_rule():
             step, res, added = admit(layout, batch, hold, waiting, pool, t, page)
             assert added == len(chunks) and list(step.query_rows[b:]) == chunks
             assert list(step.owners) == owners and list(res) == reserved
+
+
+def test_horizon_quantile_equals_numpys():
+    from splash_rollout.scheduling.policy import _quantile
+
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        v, q = rng.integers(0, 300, int(rng.integers(1, 40))).astype(float), float(rng.random())
+        assert _quantile(v, q) == pytest.approx(float(np.quantile(v, q)))
+    assert _quantile(np.zeros(0), 0.5) == 0.0
