@@ -14,7 +14,10 @@ number of tokens. Sampling at temperature 1 (an RL rollout), seeded.
   ``generate`` does with per-row lengths it cannot know in advance. Only requested tokens count.
 
 tokens/s = response tokens / wall time of the generate call(s). Writes ``{"tokens_per_s": {...},
-"ratio_auto_vs_best_fixed", "runs": {layout: wall_s, steps, switches, phases, ...}, "workload"}``
+"ratio_auto_vs_best_fixed", "runs": {layout: wall_s, steps, switches, phases, policy_share_of_wall, correction, ...},
+"workload"}``; with ``--rounds R`` every system runs R times round-robin and reports its median
+round (all rounds' tokens/s in ``tokens_per_s_rounds``): on shared, loaded cores one run of a
+layout can differ from the next by a third.
 and optionally a bar chart.
 
     python benchmarks/rollout_drain.py --json docs/results/rollout_drain.json --png docs/results/rollout_drain.png
@@ -207,10 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch", type=int, default=64, help="rows per transformers generate call")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peer")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every system this many times, round-robin; each reports its median round")
     ap.add_argument("--backends", default="torch",
                     help="comma list of attention backends the engine systems run with (e.g. torch_ref,torch): "
                          "each engine system runs once per backend, keyed layout@backend after the first")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected a positive integer, got {args.rounds}")
     systems = [s for s in args.systems.split(",") if s]
     bad = sorted(set(systems) - set(SYSTEMS))
     if bad:
@@ -231,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     # the last backend's runs carry the plain names (the headline numbers); earlier ones layout@backend
     jobs = [(f"{name}@{b}" if b != backends[-1] else name, name, b) for b in backends for name in systems
             if name != "transformers" or b == backends[-1]]
-    for key, name, backend in jobs:
-        t0, load0 = time.perf_counter(), os.getloadavg()[0]
-        runs[key] = run_transformers(work, args) if name == "transformers" else run_engine(name, work, args, backend)
-        runs[key]["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
-        print(f"  {key:>16}: {runs[key]['tokens_per_s']:8.1f} tokens/s  ({runs[key]['wall_s']:.1f} s timed, "
-              f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
+    every: dict[str, list[dict]] = {key: [] for key, _, _ in jobs}
+    for r in range(args.rounds):  # later rounds in reverse order: no system always runs first or last
+        for key, name, backend in (jobs if r % 2 == 0 else jobs[::-1]):
+            t0, load0 = time.perf_counter(), os.getloadavg()[0]
+            run = run_transformers(work, args) if name == "transformers" else run_engine(name, work, args, backend)
+            run["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
+            every[key].append(run)
+            print(f"  {key:>16}: {run['tokens_per_s']:8.1f} tokens/s  ({run['wall_s']:.1f} s timed, "
+                  f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
+    for key, got in every.items():  # each system's median round (the lower middle one of an even count)
+        runs[key] = dict(sorted(got, key=lambda x: x["tokens_per_s"])[(len(got) - 1) // 2],
+                         tokens_per_s_rounds=[x["tokens_per_s"] for x in got])
     tps = {k: v["tokens_per_s"] for k, v in runs.items()}
     backend_ratios = {f"{name}: {backends[-1]} / {b}": tps[name] / tps[f"{name}@{b}"]
                       for b in backends[:-1] for name in systems if f"{name}@{b}" in tps}
@@ -251,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "world_size": args.world_size, "quick": args.quick,
         "engine": {"memory_budget_gib": args.memory_budget_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs, "profile": args.profile,
-                   "online_correction": not args.no_online_correction, "attention_backends": backends,
+                   "online_correction": not args.no_online_correction, "rounds": args.rounds, "attention_backends": backends,
                    "dtype": "float32", "torch_threads_per_rank": max(1, (os.cpu_count() or 1) // args.world_size)},
         "workload": describe(work, params, args.seed),
         "runs": runs,

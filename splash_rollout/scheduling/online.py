@@ -56,15 +56,14 @@ from splash_rollout.scheduling.cost_model import STAGE_GROUP_OF
 
 GROUPS = ("compute", "attention", "comm", "overhead")
 """Stage groups the shared factors scale; ``overhead`` is the fixed per-layer / per-step costs."""
+_NAMES = tuple(STAGE_GROUP_OF[g] for g in GROUPS[:-1])
 
 
 def stage_groups(stages: Mapping[str, float]) -> np.ndarray:
     """θ's seconds per stage group of one step: [4] float64 in ``GROUPS`` order (from ``StepCost.stages``)."""
-    out = np.zeros(len(GROUPS))
-    for i, g in enumerate(GROUPS[:-1]):
-        out[i] = sum(float(stages.get(name, 0.0)) for name in STAGE_GROUP_OF[g])
-    out[-1] = float(stages.get("overhead", 0.0))
-    return out
+    get = stages.get
+    return np.array([sum(get(name, 0.0) for name in _NAMES[0]), sum(get(name, 0.0) for name in _NAMES[1]),
+                     sum(get(name, 0.0) for name in _NAMES[2]), get("overhead", 0.0)], dtype=np.float64)
 
 
 def step_shape(requests: int, prefill_rows: int) -> str:

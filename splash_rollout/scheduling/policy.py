@@ -31,7 +31,6 @@ Every call returns a ``Decision`` record the engine stores in its timeline.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -60,7 +59,7 @@ class PolicyConfig:
     round_trip: bool = True
     """Charge a switch twice -- there and, if the load turns back, back again -- so a lead that
     only pays one way (a load that oscillates around a crossover) does not switch."""
-    decide_every_steps: int = 16
+    decide_every_steps: int = 32
     """An engine consults the policy at events (admissions, finished requests, a deferred switch,
     the running batch moving by ``decide_batch_fraction``) and at least every this many steps."""
     decide_batch_fraction: float = 0.25
@@ -277,7 +276,8 @@ class LayoutPolicy:
         seconds = self.correction.factors().seconds(cost.layout.value, step_shape(batch.size, prefill),
                                                     stage_groups(cost.stages))
         ratio = seconds / cost.seconds if cost.seconds > 0 else 1.0
-        return dataclasses.replace(cost, seconds=seconds, layer_seconds=tuple(x * ratio for x in cost.layer_seconds))
+        return StepCost(cost.layout, seconds, cost.stages, tuple(x * ratio for x in cost.layer_seconds), cost.feasible,
+                        cost.reason, cost.variant)
 
     def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None
                        ) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
@@ -356,7 +356,9 @@ class LayoutPolicy:
         cur_ok = current in feasible
         cur_eff = eff.get(current, math.inf)
         if cur_ok and fastest is current:
-            return Decision(current, current, False, "current is fastest", secs, horizon_steps=horizon, **extra)
+            cheaper = [l.value for l in feasible if eff[l] < cur_eff]  # at their prices, before doubt
+            why = f"current is fastest after doubt about {', '.join(cheaper)}" if cheaper else "current is fastest"
+            return Decision(current, current, False, why, secs, horizon_steps=horizon, **extra)
         if cur_ok and steps_in_layout < cfg.min_dwell_steps:
             return Decision(current, current, False, f"dwell {steps_in_layout}/{cfg.min_dwell_steps} steps", secs,
                             horizon_steps=horizon, **extra)

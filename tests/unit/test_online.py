@@ -176,3 +176,28 @@ def test_steps_of_one_signature_share_thetas_price():
         pol.observe_step(Layout.DP, batch, 0.05, signature=(4, 4, 0))
     pol.observe_step(Layout.DP, batch, 0.05, signature=(3, 3, 0))  # another shape: priced at once
     assert len(built) == 4 and pol.correction.num_observations == 2 * REPRICE_STEPS + 2
+
+
+def test_a_layout_never_run_must_lead_by_more_than_its_doubt():
+    """In TP, one decode request: θ says DP-attention is 11 % faster. Without doubt the policy moves;
+    with TP observed at θ's price and DP never run (doubt 0.2 ≈ 22 %), it stays, and says why."""
+    import torch
+
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.rollout.config import EngineConfig
+    from splash_rollout.rollout.ranks import make_policy
+
+    def policy(spread):
+        base = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto"), resolve_model("glm5-nano"), 2,
+                           2**28, torch.float32)
+        return LayoutPolicy(base.dep, base.config, StepTimeCorrection(CorrectionConfig(layout_spread=spread)))
+
+    batch = StepBatch.make([400], 1, [0])
+    trusting, doubting = policy(0.0), policy(0.2)
+    for pol in (trusting, doubting):
+        tp_s = pol.decide(Layout.TP, batch, [100], 100).prior_step_costs["tp"]
+        for _ in range(64):
+            pol.observe_step(Layout.TP, batch, tp_s)
+    assert trusting.decide(Layout.TP, batch, [100], 100).chosen is Layout.DP
+    d = doubting.decide(Layout.TP, batch, [100], 100)
+    assert d.chosen is Layout.TP and not d.switch and "doubt" in d.reason, d.reason
