@@ -27,7 +27,10 @@ number of tokens. Sampling at temperature 1 (an RL rollout), seeded.
 
 tokens/s = response tokens / wall time of the generate call(s). Writes ``{"tokens_per_s": {...},
 "ratio_auto_vs_best_fixed", "ratio_auto_vs_transformers", "ratio_auto_vs_transformers_cb",
-"unavailable": {system: why}, "runs": {layout: wall_s, steps, switches, phases, ...}, "workload"}``
+"unavailable": {system: why}, "runs": {layout: wall_s, steps, switches, phases, policy_share_of_wall,
+correction, ...}, "workload"}``; with ``--rounds R`` every system runs R times round-robin and reports
+its median round (all rounds' tokens/s in ``tokens_per_s_rounds``): on shared, loaded cores one run
+of a layout can differ from the next by a third.
 and optionally a bar chart.
 
     python benchmarks/rollout_drain.py --json docs/results/rollout_drain.json --png docs/results/rollout_drain.png
@@ -101,7 +104,8 @@ def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
     config = EngineConfig(model=args.model, world_size=args.world_size, layout=layout, seed=args.seed,
                           memory_budget_gib=args.memory_budget_gib,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          profile=args.profile, attention_backend=backend)
+                          profile=args.profile, attention_backend=backend,
+                          online_correction=not args.no_online_correction)
     sampling = [SamplingParams(n=work["n"], temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=args.seed + i)
                 for i, m in enumerate(work["response_lens"])]
     build0 = time.perf_counter()
@@ -130,6 +134,11 @@ def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
         "phases": [{k: p[k] for k in ("layout", "t_start", "t_end", "steps", "batch_size_start", "batch_size_end",
                                       "tokens")} for p in tl.phases],
         "decisions": len(tl.decisions),
+        # the layout driver's own time on rank 0 (consulting and feeding the policy), and what it learned
+        "policy_s": out.metrics.get("timing_s/policy", 0.0),
+        "policy_share_of_wall": out.metrics.get("timing_s/policy", 0.0) / wall,
+        "policy_consults": max((d.get("consults", 0) for d in tl.decisions), default=0),
+        "correction": tl.decisions[-1].get("correction") if tl.decisions else None,
     }
 
 
@@ -289,13 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--profile", default="cpu", help="hardware profile auto prices layouts with")
+    ap.add_argument("--no-online-correction", action="store_true",
+                    help="auto prices with the profile as it is (no correction from measured steps)")
     ap.add_argument("--hf-batch", type=int, default=64, help="rows per transformers generate call")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every system this many times, round-robin; each reports its median round")
     ap.add_argument("--backends", default="torch",
                     help="comma list of attention backends the engine systems run with (e.g. torch_ref,torch): "
                          "each engine system runs once per backend, keyed layout@backend after the first")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected a positive integer, got {args.rounds}")
     systems = [s for s in args.systems.split(",") if s]
     bad = sorted(set(systems) - set(SYSTEMS))
     if bad:
@@ -318,17 +333,26 @@ def main(argv: list[str] | None = None) -> int:
             if name not in PEERS or b == backends[-1]]
     peers = {"transformers": run_transformers, "transformers_cb": run_transformers_cb}
     unavailable: dict[str, str] = {}
-    for key, name, backend in jobs:
-        t0, load0 = time.perf_counter(), os.getloadavg()[0]
-        try:
-            runs[key] = peers[name](work, args) if name in peers else run_engine(name, work, args, backend)
-        except PeerUnavailable as e:  # reported in the JSON, kept out of tokens_per_s and the ratios
-            unavailable[key] = str(e)
-            print(f"  {key:>16}: not run -- {e}", file=sys.stderr)
-            continue
-        runs[key]["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
-        print(f"  {key:>16}: {runs[key]['tokens_per_s']:8.1f} tokens/s  ({runs[key]['wall_s']:.1f} s timed, "
-              f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
+    every: dict[str, list[dict]] = {key: [] for key, _, _ in jobs}
+    for r in range(args.rounds):  # later rounds in reverse order: no system always runs first or last
+        for key, name, backend in (jobs if r % 2 == 0 else jobs[::-1]):
+            if key in unavailable:
+                continue
+            t0, load0 = time.perf_counter(), os.getloadavg()[0]
+            try:
+                run = peers[name](work, args) if name in peers else run_engine(name, work, args, backend)
+            except PeerUnavailable as e:  # reported in the JSON, kept out of tokens_per_s and the ratios
+                unavailable[key] = str(e)
+                print(f"  {key:>16}: not run -- {e}", file=sys.stderr)
+                continue
+            run["load_average_1min"] = [load0, os.getloadavg()[0]]  # others' work on the same cores
+            every[key].append(run)
+            print(f"  {key:>16}: {run['tokens_per_s']:8.1f} tokens/s  ({run['wall_s']:.1f} s timed, "
+                  f"{time.perf_counter() - t0:.1f} s total)", file=sys.stderr)
+    for key, got in every.items():  # each system's median round (the lower middle one of an even count)
+        if got:
+            runs[key] = dict(sorted(got, key=lambda x: x["tokens_per_s"])[(len(got) - 1) // 2],
+                             tokens_per_s_rounds=[x["tokens_per_s"] for x in got])
     tps = {k: v["tokens_per_s"] for k, v in runs.items()}
     vs_peer = {peer: tps["auto"] / tps[peer] if {"auto", peer} <= set(tps) else None for peer in PEERS}
     backend_ratios = {f"{name}: {backends[-1]} / {b}": tps[name] / tps[f"{name}@{b}"]
@@ -345,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_backends": backend_ratios,
         "model": args.model, "world_size": args.world_size, "quick": args.quick,
         "engine": {"memory_budget_gib": args.memory_budget_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "max_num_seqs": args.max_num_seqs, "profile": args.profile, "attention_backends": backends,
+                   "max_num_seqs": args.max_num_seqs, "profile": args.profile,
+                   "online_correction": not args.no_online_correction, "rounds": args.rounds, "attention_backends": backends,
                    "dtype": "float32", "torch_threads_per_rank": max(1, (os.cpu_count() or 1) // args.world_size)},
         "workload": describe(work, params, args.seed),
         "runs": runs,

@@ -181,7 +181,8 @@ class Engine:
         self.num_steps = 0
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds and
-        their split into control / schedule / batch / forward / sample)."""
+        their split into control / schedule / batch / forward / sample, plus ``policy``: the layout
+        driver's time consulting and feeding the policy since the previous record, mostly inside control)."""
         self.switch_log: list[dict] = []
         """Rank 0: one record per switch or deferral."""
         self.switch_measures: list[dict] = []
@@ -306,7 +307,6 @@ class Engine:
             raise RuntimeError("step: nothing schedulable although requests are pending")
         for r in self.scheduler.retracted:
             self.block_table.release(r.request_id)
-        self.driver.stepped()
         schedule_s = lap()
         batch = self._batch(scheduled)
         batch_s = lap()
@@ -340,7 +340,8 @@ class Engine:
                 "running": len(sched.running), "control_bytes": control_bytes,
                 "seconds": control_s + clock[-1] - clock[0],
                 "split_s": {"control": control_s, "schedule": schedule_s, "batch": batch_s, "forward": forward_s,
-                            "sample": sample_s}})
+                            "sample": sample_s, "policy": self.driver.take_policy_s()}})
+            self.driver.observe_step(self.step_log[-1], scheduled)  # dwell, online θ correction
             if order is not None:
                 self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
         return step

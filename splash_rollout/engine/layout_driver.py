@@ -7,14 +7,21 @@ to retract requests for lack of KV pages, a switch against that retraction), kee
 shows (the first, every switch, and a checkpoint each time the priced batch halves), and learns the
 call's residual lengths from the samples that stopped. It only decides; the engine carries the
 switch out on every rank, or reports it deferred, and then the request stays pending.
+
+The policy is consulted at events (scheduling/decision_events.py), not at every step, and is fed
+every step the engine ran (``observe_step``): the measured seconds correct θ online
+(scheduling/online.py) and count the steps spent in the layout (the policy's dwell). The driver's
+own time -- consulting and feeding the policy -- is reported per step as ``policy_s``.
 """
 from __future__ import annotations
 
 import itertools
+import time
 
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.scheduler import Scheduler
 from splash_rollout.layout.layouts import Layout
+from splash_rollout.scheduling.decision_events import DecisionEvents
 
 
 class LayoutDriver:
@@ -34,6 +41,16 @@ class LayoutDriver:
         """Steps run since the last switch (the policy's dwell)."""
         self.pending_cause: str | None = None
         """Why ``pending`` was asked for: request, schedule, policy or pressure (the switch log keeps it)."""
+        cfg = policy.config if policy is not None else None
+        self.events = DecisionEvents(cfg.decide_every_steps, cfg.decide_batch_fraction) if cfg else None
+        """When the policy is consulted (None without a policy)."""
+        self.consults = 0
+        """Policy consultations so far (each an event)."""
+        self._switched = False
+        """The next observed step is a switching step (its transfers are not a step of the layout)."""
+        self._policy_s = 0.0
+        self._boundary_s = 0.0
+        """Seconds the last boundary spent with the policy (inside that step's control time)."""
 
     def request(self, dst: Layout, blocking: bool = False) -> None:
         self.pending, self.pending_cause = (dst, blocking), "request"
@@ -41,17 +58,49 @@ class LayoutDriver:
     def new_call(self) -> None:
         """A new serve call is a new group of prompts: its own length distribution."""
         self.ended_lengths = ([], [])
+        if self.events is not None:
+            self.events.reset()
 
     def observe_finished(self, finished: list[Request]) -> None:
         for r in finished:
             if r.finish_reason in ("stop", "length"):
                 self.ended_lengths[r.finish_reason == "length"].append(r.num_output_tokens)
+        if self.events is not None and finished:
+            self.events.finished(len(finished))
+
+    def observe_step(self, record: dict, scheduled) -> None:
+        """Rank 0 after each step: its step-log ``record`` and what it ran (ScheduledSeq list).
+        Counts the step toward the dwell and, unless it switched, gives the policy its seconds
+        (less the policy's own share) for the online correction."""
+        self.steps_in_layout += 1
+        switched, self._switched = self._switched, False
+        if self.policy is None or switched:
+            return
+        t0 = time.perf_counter()
+        measured = record["seconds"] - self._boundary_s  # the step, less the policy's time inside it
+        signature = (record["requests"], record["rows"], record["prefill_rows"])
+        self.policy.observe_step(Layout.parse(record["layout"]), lambda: _executed_batch(scheduled), measured,
+                                 signature)
+        self._policy_s += time.perf_counter() - t0
+
+    def take_policy_s(self) -> float:
+        """Seconds spent consulting and feeding the policy since the last call (rank 0's own cost)."""
+        spent, self._policy_s = self._policy_s, 0.0
+        return spent
 
     def at_boundary(self, layout: Layout, step: int, scheduler: Scheduler) -> tuple[Layout, bool] | None:
         """The switch to make before ``step`` runs, or None. ``pending`` keeps it until it is done."""
-        if self.policy is not None and self.pending is None:
-            if not self._relieve_pressure(layout, step, scheduler):
-                self._consult_policy(layout, step, scheduler)
+        if self.policy is not None:
+            t0 = time.perf_counter()
+            deferred = self.pending is not None and self.pending_cause in ("policy", "pressure")  # not done last boundary
+            if deferred:
+                self.pending = None
+            if self.pending is None and not self._relieve_pressure(layout, step, scheduler):
+                event = self.events.due(step, len(scheduler.running), len(scheduler.waiting), deferred)
+                if event is not None:
+                    self._consult_policy(layout, step, scheduler, event)
+            self._boundary_s = time.perf_counter() - t0
+            self._policy_s += self._boundary_s
         want = self.pending
         if want is None and step in self.switch_schedule:
             want = self.pending = (self.switch_schedule[step], False)
@@ -63,11 +112,8 @@ class LayoutDriver:
 
     def switched(self) -> None:
         self.pending = None
+        self._switched = True
         self.steps_in_layout = 0
-
-    def stepped(self) -> None:
-        """A step ran in the current layout (the policy's dwell counts these)."""
-        self.steps_in_layout += 1
 
     # ---- what the policy is shown ----------------------------------------------------------------
     @staticmethod
@@ -116,13 +162,15 @@ class LayoutDriver:
             self.pending, self.pending_cause = (decision.chosen, False), "pressure"
         return True
 
-    def _consult_policy(self, layout: Layout, step: int, scheduler: Scheduler) -> None:
+    def _consult_policy(self, layout: Layout, step: int, scheduler: Scheduler, event: str) -> None:
         from splash_rollout.scheduling.policy import Waiting
 
         running = self._priced(scheduler)
         queued = list(itertools.islice(scheduler.waiting, scheduler.max_num_seqs))
         if not (running or queued):
             return
+        self.events.decided(step, len(scheduler.running), len(scheduler.waiting))
+        self.consults += 1
         batch = self._step_batch(scheduler, running)
         waiting = Waiting.make([r.num_uncomputed_tokens for r in queued], self._hold(scheduler, queued),
                                scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
@@ -134,9 +182,23 @@ class LayoutDriver:
         # what each layout was predicted to cost when the policy stayed put
         priced = len(running) + decision.admitted.get(decision.chosen.value, 0)
         drained = bool(self.decision_log) and 2 * priced <= self.decision_log[-1]["priced_batch"]
-        if first or decision.switch or drained:
+        last = self.decision_log[-1] if self.decision_log else {}
+        retried = event == "deferred" and last.get("chosen") == decision.chosen.value  # logged already
+        if first or (decision.switch and not retried) or drained:
             why = "initial" if first else "switch" if decision.switch else "drained"
             self.decision_log.append(dict(decision.to_dict(), step=step, batch_size=len(scheduler.running),
-                                          waiting=len(scheduler.waiting), priced_batch=priced, logged=why))
+                                          waiting=len(scheduler.waiting), priced_batch=priced, logged=why,
+                                          event=event, consults=self.consults))
         if decision.chosen is not layout and (first or decision.switch):
             self.pending, self.pending_cause = (decision.chosen, False), "policy"
+
+
+def _executed_batch(scheduled):
+    """The StepBatch of a step that ran (ScheduledSeq list), read after its postprocess: each history
+    holds this step's rows, and a request that sampled has one token more than it has computed."""
+    from splash_rollout.scheduling.cost_model import StepBatch
+
+    reqs = [s.request for s in scheduled]
+    sampled = [r.num_computed_tokens == r.num_tokens - 1 for r in reqs]
+    return StepBatch.make([r.num_computed_tokens for r in reqs], [s.num_new for s in scheduled], [r.owner for r in reqs],
+                          sum(sampled), sum(1 for r, x in zip(reqs, sampled) if x and r.num_output_tokens == 1))

@@ -43,6 +43,11 @@ class EngineConfig:
     profile: str = "cpu"
     """Hardware profile the auto policy prices layouts with: a preset (cpu, h100, h200, b200) or a
     YAML file (scheduling/profile.py); its rates are used, the engine's own pools replace its memory."""
+    online_correction: bool = True
+    """With ``layout="auto"``: correct the profile's step times online from the steps this machine
+    measures (shared per-stage-group factors, then per-layout and per-step-shape factors, each
+    shrunk toward the profile until observations outweigh it; scheduling/online.py). The factors
+    are in every timeline decision (``correction``). False: price with the profile as it is."""
     attention_backend: str = "torch"
     """``torch``: one layer for every request of a step in a few batched tensor ops (the default);
     ``torch_ref``: one exact attention per request, the reference the others are tested against;
@@ -111,6 +116,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
+        if not isinstance(self.online_correction, bool):
+            raise ValueError(f"online_correction: expected True or False, got {self.online_correction!r}")
         if str(self.layout).lower() != "auto":
             Layout.parse(self.layout, "layout")
         from splash_rollout.engine.attention import available_backends

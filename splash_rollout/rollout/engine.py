@@ -319,7 +319,8 @@ class RolloutEngine:
                    "perf/max_running": float(max((s["running"] for s in steps), default=0)),
                    "perf/control_bytes_max": float(max(control)), "perf/control_bytes_mean": float(np.mean(control)),
                    "timing_s/generate": elapsed,
-                   "rollout/aborted_samples": float(sum(r.finish_reason == "abort" for r in results))}
+                   "rollout/aborted_samples": float(sum(r.finish_reason == "abort" for r in results)),
+                   "timing_s/policy": float(sum(s["split_s"].get("policy", 0.0) for s in steps))}
         if earlier_versions:
             metrics["rollout/resumed_samples"] = float(len(earlier_versions))
         if streaming:

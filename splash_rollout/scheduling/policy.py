@@ -23,6 +23,14 @@ queued ones its pool admits, FIFO, within the step's token budget -- and layouts
 per token processed, not per step. A layout whose larger pool admits more of the queue can lead
 while the queue lasts, and lose the lead to a faster one once the batch drains.
 
+With a ``StepTimeCorrection`` (scheduling/online.py; the engine's ``auto`` has one) every price is
+θ's prediction corrected by the step times measured so far, and each decision carries the
+corrected θ; a layout is judged at its price times exp(its doubt), the correction's uncertainty
+about a layout that has run little or not at all, so θ's promise about a layout never run must be
+a large one before the policy moves into it. Admission is planned once per call -- the queue head within the token budget, owners by
+least projected KV, the same for every layout -- and each layout only checks, vectorised over the
+prefixes of that plan, how far its pool follows it.
+
 Every call returns a ``Decision`` record the engine stores in its timeline.
 """
 from __future__ import annotations
@@ -33,9 +41,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
+from splash_rollout.layout.layouts import Ownership
 from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
 from splash_rollout.scheduling.deployment import Deployment
-from splash_rollout.scheduling.switch_cost import SwitchCost, switch_cost
+from splash_rollout.scheduling.online import GROUPS, StepTimeCorrection, stage_groups, step_shape
+from splash_rollout.scheduling.switch_cost import SwitchCost, layer_transfer_seconds, overlapped_seconds
 
 
 @dataclass(frozen=True)
@@ -59,10 +69,19 @@ class PolicyConfig:
     rest of the horizon at the cost of the batch decoding. One step's shape flips between a prefill
     chunk and pure decode as requests finish and are admitted, and the layout that wins a chunk
     step (CP, on a long chunk) is not the one that wins the phase when decode steps dominate it."""
+    decide_every_steps: int = 32
+    """An engine consults the policy at events (admissions, finished requests, a deferred switch,
+    the running batch moving by ``decide_batch_fraction``) and at least every this many steps."""
+    decide_batch_fraction: float = 0.25
+    """Relative change of the running batch since the last decision that makes a new one due."""
 
     def __post_init__(self) -> None:
         if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:
             raise ValueError("policy: margins and min_dwell_steps must be non-negative")
+        if self.decide_every_steps < 1:
+            raise ValueError(f"decide_every_steps: expected a positive integer, got {self.decide_every_steps}")
+        if not 0.0 < self.decide_batch_fraction <= 1.0:
+            raise ValueError(f"decide_batch_fraction: expected a value in (0, 1], got {self.decide_batch_fraction}")
         if not 0.0 <= self.horizon_quantile <= 1.0:
             raise ValueError(f"horizon_quantile: expected a value in [0, 1], got {self.horizon_quantile}")
 
@@ -85,6 +104,10 @@ class Decision:
     """Queued requests each layout's pool would admit this step (capacity that changes admission)."""
     seconds_per_token: dict[str, float] = field(default_factory=dict)
     """Predicted seconds per processed token (query row) of the step each layout would run."""
+    prior_step_costs: dict[str, float] = field(default_factory=dict)
+    """θ's own seconds per step per layout, before the online correction (empty without one)."""
+    correction: dict = field(default_factory=dict)
+    """The corrected θ the prices used (``online.Factors.to_dict``; empty without a correction)."""
 
     def to_dict(self) -> dict:
         return {"current": None if self.current is None else self.current.value, "chosen": self.chosen.value,
@@ -92,7 +115,21 @@ class Decision:
                 "step_costs": {k: (None if math.isinf(v) else v) for k, v in self.step_costs.items()},
                 "switch_cost_s": self.switch_cost_s, "blocking_cost_s": self.blocking_cost_s,
                 "horizon_steps": self.horizon_steps, "admitted": dict(self.admitted),
-                "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in self.seconds_per_token.items()}}
+                "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in self.seconds_per_token.items()},
+                "prior_step_costs": {k: (None if math.isinf(v) else v) for k, v in self.prior_step_costs.items()},
+                "correction": self.correction}
+
+
+def _quantile(values: np.ndarray, q: float) -> float:
+    """``np.quantile(values, q)`` (linear interpolation) of a [B] array, 0 when empty, without
+    np.quantile's per-call overhead (a tenth of a decision's time at small B)."""
+    if not values.size:
+        return 0.0
+    v = np.sort(values)
+    pos = q * (v.size - 1)
+    lo = int(pos)
+    hi = min(lo + 1, v.size - 1)
+    return float(v[lo] + (v[hi] - v[lo]) * (pos - lo))
 
 
 def choose_owner(projected_tokens_per_rank, new_request_tokens: int = 0) -> int:
@@ -127,47 +164,135 @@ class Waiting:
         return cls(p, r, int(token_budget), int(max_seqs))
 
 
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """The queue head a step could admit, before any pool says no: FIFO within the token budget and
+    ``max_seqs``, owners by least projected KV, reservations in whole pages. The same for every
+    layout (none of it depends on the layout); each layout admits a prefix of it (``admits``)."""
+
+    chunk: np.ndarray
+    """[K] int64: prefill rows each candidate would run this step."""
+    reserved: np.ndarray
+    """[K] int64: tokens each reserves (page-rounded)."""
+    owners: np.ndarray
+    """[K] int64: the owner each would get."""
+
+    @classmethod
+    def make(cls, batch: StepBatch, hold: np.ndarray, waiting: Waiting | None, world_size: int,
+             page_size: int = 1) -> "AdmissionPlan":
+        if waiting is None or waiting.prompt.size == 0:
+            return cls(*(np.zeros(0, np.int64),) * 3)
+        budget = waiting.token_budget - int(batch.query_rows.sum())
+        before = np.cumsum(waiting.prompt) - waiting.prompt  # [W] prompt tokens ahead of each
+        k = min(int(np.count_nonzero(before < budget)), max(0, waiting.max_seqs - batch.size))
+        chunk = np.minimum(waiting.prompt[:k], budget - before[:k])
+        reserved = -(-waiting.reserved[:k] // page_size) * page_size
+        projected = (np.bincount(batch.owners, weights=hold.astype(np.float64), minlength=world_size)[:world_size]
+                     if batch.size else np.zeros(world_size)).tolist()
+        owners = []
+        for res in reserved.tolist():  # greedy and sequential; K is what one step's budget admits
+            owner = min(range(world_size), key=projected.__getitem__)  # ties go to the lowest rank
+            owners.append(owner)
+            projected[owner] += res
+        return cls(chunk.astype(np.int64), reserved.astype(np.int64), np.asarray(owners, dtype=np.int64))
+
+    def admits(self, layout: Layout, hold: np.ndarray, hold_owners: np.ndarray, pool_tokens: int,
+               world_size: int) -> int:
+        """How many of the plan ``layout``'s pool admits: the longest prefix whose KV fits (FIFO:
+        the first that does not fit blocks the rest). Vectorised over the prefixes."""
+        if not self.reserved.size:
+            return 0
+        ownership = layout.ownership
+        if ownership is Ownership.EVERY or ownership is Ownership.POSITIONS:
+            demand = int(hold.sum()) + np.cumsum(self.reserved)  # [K] after admitting 1..K
+            if ownership is Ownership.POSITIONS:
+                demand = -(-demand // world_size)
+        else:
+            base = np.bincount(hold_owners, weights=hold, minlength=world_size)[:world_size] if hold.size \
+                else np.zeros(world_size)
+            added = np.zeros((self.reserved.size, world_size))
+            added[np.arange(self.reserved.size), self.owners] = self.reserved
+            demand = (base + np.cumsum(added, axis=0)).max(axis=1)  # [K] busiest owner after 1..K
+        return int(np.count_nonzero(np.cumprod(demand <= pool_tokens)))
+
+    def step(self, batch: StepBatch, hold: np.ndarray, added: int) -> tuple[StepBatch, np.ndarray]:
+        """The step with the first ``added`` candidates admitted, and its reserved tokens per request."""
+        if not added:
+            return batch, hold
+        c = self.chunk[:added]
+        grown = StepBatch.make(np.concatenate([batch.context, c]), np.concatenate([batch.query_rows, c]),
+                               np.concatenate([batch.owners, self.owners[:added]]),
+                               None if batch.sampling_rows is None else batch.sampling_rows + added)
+        return grown, np.concatenate([hold, self.reserved[:added]])
+
+
 def admit(layout: Layout, batch: StepBatch, hold: np.ndarray, waiting: Waiting | None, pool_tokens: int,
           world_size: int, page_size: int = 1) -> tuple[StepBatch, np.ndarray, int]:
     """The step ``layout`` would run: ``batch`` plus the head of ``waiting`` its pool admits (FIFO,
     reservations rounded up to whole pages, owners by least projected KV, a prefill chunk each within
     the token budget). Returns (step batch, reserved tokens per request, requests admitted)."""
-    if waiting is None or waiting.prompt.size == 0:
-        return batch, hold, 0
-    ctx, rows, owners, reserved = list(batch.context), list(batch.query_rows), list(batch.owners), list(hold)
-    budget = waiting.token_budget - int(batch.query_rows.sum())
-    projected = np.bincount(np.asarray(owners, dtype=np.int64), weights=np.asarray(reserved, dtype=np.float64),
-                            minlength=world_size)[:world_size] if owners else np.zeros(world_size)
-    added = 0
-    for prompt, res in zip(waiting.prompt, waiting.reserved):
-        if budget <= 0 or len(ctx) >= waiting.max_seqs:
-            break
-        res = int(-(-int(res) // page_size) * page_size)
-        owner = choose_owner(projected)
-        if not fits(layout, np.asarray(reserved + [res], dtype=np.int64), pool_tokens, world_size,
-                    np.asarray(owners + [owner], dtype=np.int64)):
-            break  # FIFO: the head waits, and so does everything behind it
-        chunk = min(int(prompt), budget)
-        ctx.append(chunk)
-        rows.append(chunk)
-        owners.append(owner)
-        reserved.append(res)
-        projected[owner] += res
-        budget -= chunk
-        added += 1
-    if not added:
-        return batch, hold, 0
-    grown = StepBatch.make(ctx, rows, owners, None if batch.sampling_rows is None else batch.sampling_rows + added)
-    return grown, np.asarray(reserved, dtype=np.int64), added
+    hold = np.asarray(hold, dtype=np.int64)
+    plan = AdmissionPlan.make(batch, hold, waiting, world_size, page_size)
+    added = plan.admits(layout, hold, batch.owners, pool_tokens, world_size)
+    step, reserved = plan.step(batch, hold, added)
+    return step, reserved, added
+
+
+REPRICE_STEPS = 8
+"""Consecutive observed steps of one signature that share θ's price (``LayoutPolicy.observe_step``)."""
 
 
 class LayoutPolicy:
-    """π over one deployment. Stateless apart from the configuration: the caller passes the current
-    layout and how long it has been in it."""
+    """π over one deployment. The caller passes the current layout and how long it has been in it;
+    the only state is the optional online correction, which ``observe_step`` feeds."""
 
-    def __init__(self, deployment: Deployment, config: PolicyConfig = PolicyConfig()):
+    def __init__(self, deployment: Deployment, config: PolicyConfig = PolicyConfig(),
+                 correction: StepTimeCorrection | None = None):
+        """correction: corrects θ's step times from measured ones (None: θ's predictions as they are)."""
         self.dep = deployment
         self.config = config
+        self.correction = correction
+        self._priced: tuple | None = None
+        """The last step θ priced for the correction: (key, shape, groups, steps it has priced)."""
+
+    def observe_step(self, layout: Layout, batch, measured_s: float, signature: tuple | None = None) -> None:
+        """A step that ran in ``layout`` and took ``measured_s`` (not a switching step), priced by θ
+        and handed to the correction; without one, nothing to learn. ``batch``: the step's StepBatch,
+        or a callable that builds it (called only when θ prices the step anew). ``signature``: a
+        cheap key of the step's shape (requests, rows, ...): consecutive steps with the same key
+        reuse θ's price of the first for ``REPRICE_STEPS`` steps -- a decode step's price moves by
+        one token of context per request per step."""
+        if self.correction is None:
+            return
+        key = (layout, signature)
+        if signature is not None and self._priced is not None and self._priced[0] == key \
+                and self._priced[3] < REPRICE_STEPS:
+            _, shape, groups, uses = self._priced
+            self._priced = (key, shape, groups, uses + 1)
+        else:
+            step = batch() if callable(batch) else batch
+            if not step.size:
+                return
+            prior = step_time(layout, step, self.dep.model, self.dep.profile, self.dep.sizes)
+            shape, groups = step_shape(step.size, int(np.count_nonzero(step.query_rows > 1))), stage_groups(prior.stages)
+            self._priced = (key, shape, groups, 1)
+        self.correction.observe(layout.value, shape, groups, measured_s)
+
+    def _corrected(self, cost: StepCost, batch: StepBatch) -> StepCost:
+        """``cost`` with its seconds (and per-layer seconds, which hide a switch's transfers) corrected."""
+        if self.correction is None or not cost.feasible:
+            return cost
+        prefill = int(np.count_nonzero(batch.query_rows > 1))
+        seconds = self.correction.factors().seconds(cost.layout.value, step_shape(batch.size, prefill),
+                                                    stage_groups(cost.stages))
+        ratio = seconds / cost.seconds if cost.seconds > 0 else 1.0
+        return StepCost(cost.layout, seconds, cost.stages, tuple(x * ratio for x in cost.layer_seconds), cost.feasible,
+                        cost.reason, cost.variant)
+
+    def _price(self, layout: Layout, step: StepBatch) -> StepCost:
+        """θ's cost of ``step`` in ``layout``, corrected by the measured steps when there is a correction."""
+        d = self.dep
+        return self._corrected(step_time(layout, step, d.model, d.profile, d.sizes), step)
 
     def admitted_costs(self, batch: StepBatch, reserved: np.ndarray | None = None, waiting: Waiting | None = None,
                        current: Layout | None = None) -> dict[Layout, tuple[StepCost, StepBatch, int]]:
@@ -177,13 +302,15 @@ class LayoutPolicy:
         there: staying needs its real KV to fit, the estimate only gates its admission)."""
         d = self.dep
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
+        plan = AdmissionPlan.make(batch, hold, waiting, d.world_size, d.page_size)
         out = {}
         for l in self.config.layouts:
             pool = d.pools.get(l, 0)
             if not fits(l, batch.context if l is current else hold, pool, d.world_size, batch.owners):
                 out[l] = (StepCost(l, math.inf, feasible=False, reason=f"{l.value}: reserved KV does not fit"), batch, 0)
                 continue
-            step, _, added = admit(l, batch, hold, waiting, pool, d.world_size, d.page_size)
+            added = plan.admits(l, hold, batch.owners, pool, d.world_size)
+            step, _ = plan.step(batch, hold, added)
             cost = step_time(l, step, d.model, d.profile, d.sizes) if step.size else StepCost(l, math.inf, feasible=False,
                                                                                           reason=f"{l.value}: admits nothing")
             out[l] = (cost, step, added)
@@ -193,7 +320,11 @@ class LayoutPolicy:
         stored = np.maximum(batch.context - batch.query_rows, 0)
         kv = BatchKV(tuple(int(x) for x in stored), tuple(int(o) for o in batch.owners), self.dep.page_size)
         plan = SwitchPlan.build(src, dst, self.dep.sizes, kv, self.dep.world_size)
-        return switch_cost(plan, self.dep.profile, dst_cost.layer_seconds)
+        x = layer_transfer_seconds(plan, self.dep.profile)
+        if self.correction is not None:  # the transfers are collectives: the corrected comm rate prices them
+            x = tuple(v * float(self.correction.factors().stage[GROUPS.index("comm")]) for v in x)
+        return SwitchCost(plan.src, plan.dst, float(sum(x)), float(overlapped_seconds(x, dst_cost.layer_seconds)), x,
+                          int(plan.max_bytes_received), int(plan.layer_buffer_bytes))
 
     def _headroom_ok(self, dst: Layout, hold: np.ndarray, owners: np.ndarray, sc: SwitchCost) -> bool:
         """Eq. 5: one layer's incoming buffers beyond the destination's footprint must fit."""
@@ -226,11 +357,11 @@ class LayoutPolicy:
                 continue
             if prefill_left and waiting is not None and waiting.prompt.size:
                 step, _, _ = admit(l, batch, hold, waiting, 1 << 62, d.world_size, d.page_size)
-                cost = step_time(l, step, d.model, d.profile, d.sizes)
+                cost = self._price(l, step)
             pre_rows = int(step.query_rows[step.query_rows > 1].sum())
             n_pre = min(max(horizon, 1.0), math.ceil(prefill_left / pre_rows)) if pre_rows and prefill_left else 0
             n_dec = max(horizon - n_pre, 0.0)
-            dec_s = step_time(l, decode, d.model, d.profile, d.sizes).seconds if n_dec else 0.0
+            dec_s = self._price(l, decode).seconds if n_dec else 0.0
             seconds = n_pre * cost.seconds + n_dec * dec_s
             work = n_pre * step.rows + n_dec * batch.size
             out[l] = seconds / work if work else cost.seconds / max(1, step.rows)
@@ -246,11 +377,13 @@ class LayoutPolicy:
         cfg = self.config
         hold = batch.context if reserved is None else np.asarray(reserved, dtype=np.int64)
         priced = self.admitted_costs(batch, hold, waiting, current)
+        prior = {l.value: c.seconds for l, (c, _, _) in priced.items()} if self.correction is not None else {}
+        priced = {l: (self._corrected(c, st), st, a) for l, (c, st, a) in priced.items()}
         costs = {l: c for l, (c, _, _) in priced.items()}
         rows = {l: max(1, st.rows) for l, (_, st, _) in priced.items()}
         feasible = [l for l, c in costs.items() if c.feasible]
         rem = np.asarray(remaining_tokens, dtype=np.float64)
-        horizon = float(np.quantile(rem, cfg.horizon_quantile)) if rem.size else 0.0
+        horizon = _quantile(rem, cfg.horizon_quantile)
         # compare layouts on the same amount of work: seconds for the reference step's rows
         ref_rows = rows[current] if current in feasible else max((rows[l] for l in feasible), default=1)
         if cfg.price_phase:
@@ -263,8 +396,14 @@ class LayoutPolicy:
         eff = {l: spt[l] * ref_rows if costs[l].feasible else math.inf for l in costs}
         secs = {l.value: c.seconds for l, c in costs.items()}
         extra = {"admitted": {l.value: a for l, (_, _, a) in priced.items()},
-                 "seconds_per_token": {l.value: spt[l] if costs[l].feasible else math.inf for l in costs}}
-        order = sorted((eff[l], i, l) for i, l in enumerate(costs) if costs[l].feasible)
+                 "seconds_per_token": {l.value: spt[l] if costs[l].feasible else math.inf for l in costs},
+                 "prior_step_costs": prior,
+                 "correction": self.correction.factors().to_dict() if self.correction is not None else {}}
+        # a layout is judged at its corrected price times its doubt (online.Factors.uncertainty):
+        # one that has not run must lead by more before the policy moves into it
+        factors = self.correction.factors() if self.correction is not None else None
+        doubt = {l: (0.0 if factors is None or l is current else factors.uncertainty(l.value)) for l in costs}
+        order = sorted((eff[l] * math.exp(doubt[l]), i, l) for i, l in enumerate(costs) if costs[l].feasible)
         if not order:
             keep = current if current is not None else cfg.layouts[0]
             return Decision(current, keep, False, "no layout holds the batch; keep", secs, horizon_steps=horizon,
@@ -276,7 +415,9 @@ class LayoutPolicy:
         cur_ok = current in feasible
         cur_eff = eff.get(current, math.inf)
         if cur_ok and fastest is current:
-            return Decision(current, current, False, "current is fastest", secs, horizon_steps=horizon, **extra)
+            cheaper = [l.value for l in feasible if eff[l] < cur_eff]  # at their prices, before doubt
+            why = f"current is fastest after doubt about {', '.join(cheaper)}" if cheaper else "current is fastest"
+            return Decision(current, current, False, why, secs, horizon_steps=horizon, **extra)
         if cur_ok and steps_in_layout < cfg.min_dwell_steps:
             return Decision(current, current, False, f"dwell {steps_in_layout}/{cfg.min_dwell_steps} steps", secs,
                             horizon_steps=horizon, **extra)
@@ -293,7 +434,8 @@ class LayoutPolicy:
                 return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
             lead = cur_eff - seconds
             if seconds > cur_eff * (1.0 - cfg.rel_margin):
-                reasons.append(f"{cand.value} leads by {lead / cur_eff:.1%} < {cfg.rel_margin:.0%}")
+                unsure = f" after {doubt[cand]:.0%} doubt" if doubt[cand] else ""
+                reasons.append(f"{cand.value} leads by {lead / cur_eff:.1%}{unsure} < {cfg.rel_margin:.0%}")
                 break
             gain = lead * horizon
             price = sc.overlapped_s * (2.0 if cfg.round_trip else 1.0)
@@ -320,24 +462,24 @@ class LayoutPolicy:
         * switch to a layout whose pool holds ``hold`` ([B] tokens each request is expected to reach):
           the switch's exposed cost, then the whole batch at that layout's seconds per token.
 
-        The cheaper one is chosen; the reason lists every option's price."""
+        The cheaper one is chosen; the reason lists every option's price (corrected, with a correction)."""
         d, cfg = self.dep, self.config
         hold = np.asarray(hold, dtype=np.int64)
         rem = np.asarray(remaining_tokens, dtype=np.float64)
-        horizon = float(np.quantile(rem, cfg.horizon_quantile)) if rem.size else 0.0
+        horizon = _quantile(rem, cfg.horizon_quantile)
         work = horizon * max(1, int(batch.query_rows.sum()))
-        costs = {l: step_time(l, batch, d.model, d.profile, d.sizes) for l in cfg.layouts}
+        costs = {l: self._price(l, batch) for l in cfg.layouts}
         secs = {l.value: c.seconds for l, c in costs.items()}
         gone = np.zeros(batch.size, dtype=bool)
         gone[np.asarray(victims, dtype=np.int64)] = True
         redo = StepBatch.make(batch.context[gone], batch.context[gone], batch.owners[gone])
         kept = StepBatch.make(batch.context[~gone], batch.query_rows[~gone], batch.owners[~gone])
-        kept_s = step_time(current, kept, d.model, d.profile, d.sizes).seconds if kept.size else 0.0
+        kept_s = self._price(current, kept).seconds if kept.size else 0.0
         # prefilling the victims again rides along a later step: its price is what it adds to one
         both = StepBatch.make(np.concatenate([kept.context, redo.context]),
                               np.concatenate([kept.query_rows, redo.query_rows]),
                               np.concatenate([kept.owners, redo.owners]))
-        redo_s = step_time(current, both, d.model, d.profile, d.sizes).seconds - kept_s if redo.size else 0.0
+        redo_s = self._price(current, both).seconds - kept_s if redo.size else 0.0
         kept_spt = kept_s / max(1, int(kept.query_rows.sum())) if kept.size else math.inf
         retract_price = redo_s + work * kept_spt
         short = ", ".join(f"rank {r} {n}" for r, n in enumerate(short_pages) if n > 0)

@@ -191,3 +191,51 @@ def test_memory_pressure_is_priced_switch_against_retraction():
     big = np.full(8, 10 * h)
     d = pol.relieve_pressure(Layout.DP, batch, np.full(8, 60), big, [3, 2], [7, 6, 5, 4])
     assert not d.switch and "does not hold the batch" in d.reason
+
+
+def _admit_one_by_one(layout, batch, hold, waiting, pool, t, page):
+    """The admission rule written as the loop it is: one queued request at a time, FIFO."""
+    ctx, owners, reserved, budget = list(batch.context), list(batch.owners), list(hold), waiting.token_budget - batch.rows
+    projected = np.bincount(np.asarray(owners, dtype=np.int64), weights=np.asarray(reserved, float), minlength=t)[:t]
+    chunks = []
+    for prompt, res in zip(waiting.prompt, waiting.reserved):
+        if budget <= 0 or len(ctx) >= waiting.max_seqs:
+            break
+        res = -(-int(res) // page) * page
+        owner = choose_owner(projected)
+        if not fits(layout, np.asarray(reserved + [res]), pool, t, np.asarray(owners + [owner])):
+            break
+        chunk = min(int(prompt), budget)
+        ctx.append(chunk), owners.append(owner), reserved.append(res), chunks.append(chunk)
+        projected[owner] += res
+        budget -= chunk
+    return chunks, owners, reserved
+
+
+def test_vectorised_admission_equals_the_one_by_one_rule():
+    from splash_rollout.scheduling.policy import Waiting, admit
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        t, b, w = int(rng.integers(1, 5)), int(rng.integers(0, 12)), int(rng.integers(0, 30))
+        ctx = rng.integers(1, 400, b)
+        batch = StepBatch.make(ctx, rng.integers(1, 3, b).clip(max=ctx), rng.integers(0, t, b))
+        hold = ctx + rng.integers(0, 200, b)
+        waiting = Waiting.make(rng.integers(1, 300, w), rng.integers(300, 900, w), int(rng.integers(1, 1200)),
+                               int(rng.integers(1, 40)))
+        pool, page = int(rng.integers(500, 6000)), int(rng.choice([1, 16]))
+        for layout in ALL_LAYOUTS:
+            chunks, owners, reserved = _admit_one_by_one(layout, batch, hold, waiting, pool, t, page)
+            step, res, added = admit(layout, batch, hold, waiting, pool, t, page)
+            assert added == len(chunks) and list(step.query_rows[b:]) == chunks
+            assert list(step.owners) == owners and list(res) == reserved
+
+
+def test_horizon_quantile_equals_numpys():
+    from splash_rollout.scheduling.policy import _quantile
+
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        v, q = rng.integers(0, 300, int(rng.integers(1, 40))).astype(float), float(rng.random())
+        assert _quantile(v, q) == pytest.approx(float(np.quantile(v, q)))
+    assert _quantile(np.zeros(0), 0.5) == 0.0
