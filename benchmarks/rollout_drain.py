@@ -8,6 +8,8 @@ number of tokens. Sampling at temperature 1 (an RL rollout), seeded.
 
 * ``tp``, ``cp``, ``dp``, ``dop``, ``auto``: ``RolloutEngine(EngineConfig(world_size=T, layout=L))``,
   a fresh engine (spawned ranks) per layout, one tiny warm-up call, then the timed ``generate``.
+  ``auto_uncorrected`` is ``auto`` with ``online_correction=False``: the policy pricing with
+  ``--profile`` as it is, beside the corrected one.
 * ``transformers``: ``GlmMoeDsaForCausalLM.generate`` on the same weights (our seeded init saved as
   a HF checkpoint), in this process with ``--threads`` torch threads, left-padded static batches of
   ``--hf-batch`` rows in workload order; a static batch runs until its longest row, which is what
@@ -57,7 +59,10 @@ from splash_rollout.models.config import resolve_model  # noqa: E402
 
 FIXED = ("tp", "cp", "dp", "dop")
 PEERS = ("transformers", "transformers_cb")
-SYSTEMS = FIXED + ("auto",) + PEERS
+AUTO = ("auto", "auto_uncorrected")
+"""``auto``: the policy with θ corrected online from measured steps; ``auto_uncorrected``: the same
+policy pricing with the profile as it is (what ``auto`` was before the correction)."""
+SYSTEMS = FIXED + AUTO + PEERS
 CB_ATTENTION = "sdpa"  # continuous batching accepts sdpa, paged|eager or flash; flash needs CUDA
 CB_WAIT_S = 300.0  # longest silence of the continuous-batching loop before the run is declared stuck
 FULL = dict(num_prompts=64, n=4, short_prompt=(16, 128), long_prompt=(384, 768), long_fraction=0.125,
@@ -101,11 +106,11 @@ def describe(work: dict, params: dict, seed: int) -> dict:
 
 
 def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
-    config = EngineConfig(model=args.model, world_size=args.world_size, layout=layout, seed=args.seed,
-                          memory_budget_gib=args.memory_budget_gib,
+    config = EngineConfig(model=args.model, world_size=args.world_size, layout="auto" if layout in AUTO else layout,
+                          seed=args.seed, memory_budget_gib=args.memory_budget_gib,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           profile=args.profile, attention_backend=backend,
-                          online_correction=not args.no_online_correction)
+                          online_correction=layout != "auto_uncorrected")
     sampling = [SamplingParams(n=work["n"], temperature=1.0, max_new_tokens=m, ignore_eos=True, seed=args.seed + i)
                 for i, m in enumerate(work["response_lens"])]
     build0 = time.perf_counter()
@@ -268,7 +273,7 @@ def plot(result: dict, path: str) -> None:
 
     names = [s for s in SYSTEMS if s in result["tokens_per_s"]]  # the headline backend's runs
     vals = [result["tokens_per_s"][s] for s in names]
-    colors = {"auto": "tab:orange", "transformers": "tab:gray", "transformers_cb": "tab:brown"}
+    colors = {"auto": "tab:orange", "auto_uncorrected": "tab:olive", "transformers": "tab:gray", "transformers_cb": "tab:brown"}
     fig, ax = plt.subplots(figsize=(7, 4))
     bars = ax.bar(names, vals, color=[colors.get(n, "tab:blue") for n in names])
     for b, v in zip(bars, vals):
@@ -298,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--profile", default="cpu", help="hardware profile auto prices layouts with")
-    ap.add_argument("--no-online-correction", action="store_true",
-                    help="auto prices with the profile as it is (no correction from measured steps)")
     ap.add_argument("--hf-batch", type=int, default=64, help="rows per transformers generate call")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the transformers peers")
     ap.add_argument("--seed", type=int, default=0)
@@ -362,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "tokens_per_s": tps,
         "ratio_auto_vs_best_fixed": tps["auto"] / fixed[best] if "auto" in tps and best else None,
+        "ratio_auto_uncorrected_vs_best_fixed": (tps["auto_uncorrected"] / fixed[best]
+                                                 if "auto_uncorrected" in tps and best else None),
         "best_fixed": best,
         "ratio_auto_vs_transformers": vs_peer["transformers"],
         "ratio_auto_vs_transformers_cb": vs_peer["transformers_cb"],
@@ -370,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "world_size": args.world_size, "quick": args.quick,
         "engine": {"memory_budget_gib": args.memory_budget_gib, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs, "profile": args.profile,
-                   "online_correction": not args.no_online_correction, "rounds": args.rounds, "attention_backends": backends,
+                   "rounds": args.rounds, "attention_backends": backends,
                    "dtype": "float32", "torch_threads_per_rank": max(1, (os.cpu_count() or 1) // args.world_size)},
         "workload": describe(work, params, args.seed),
         "runs": runs,
@@ -381,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1)
     if args.png:
         plot(result, args.png)
-    print(json.dumps({k: result[k] for k in ("tokens_per_s", "ratio_auto_vs_best_fixed", "best_fixed",
+    print(json.dumps({k: result[k] for k in ("tokens_per_s", "ratio_auto_vs_best_fixed",
+                                             "ratio_auto_uncorrected_vs_best_fixed", "best_fixed",
                                              "ratio_auto_vs_transformers", "ratio_auto_vs_transformers_cb",
                                              "unavailable", "ratio_backends")}, indent=1))
     return 0
