@@ -3,13 +3,14 @@
 Three sources ask for a switch: ``switch_layout`` (a pending request), a ``switch_schedule``
 ({step: layout}, tests and benchmarks) and, with ``layout="auto"``, the scheduler's policy. The
 driver prices the running batch and the queue with the policy (and, when the next step would have
-to retract requests for lack of KV pages, a switch against that retraction), keeps the decisions the timeline
-shows (the first, every switch, and a checkpoint each time the priced batch halves), and learns the
-call's residual lengths from the samples that stopped. It only decides; the engine carries the
-switch out on every rank, or reports it deferred, and then the request stays pending.
+to retract requests for lack of KV pages, a switch against that retraction), keeps the decisions
+the timeline shows (the first, every switch, and a checkpoint each time the priced batch falls to
+half its peak since the last one kept), and learns the call's residual lengths from the samples
+that stopped. It only decides; the engine carries the switch out on every rank, or reports it
+deferred, and then the request stays pending.
 
 The policy is consulted at events (scheduling/decision_events.py), not at every step, and is fed
-every step the engine ran (``observe_step``): the measured seconds correct θ online
+a sample of the steps the engine ran (``observe_step``): the measured seconds correct θ online
 (scheduling/online.py) and count the steps spent in the layout (the policy's dwell). The driver's
 own time -- consulting and feeding the policy -- is reported per step as ``policy_s``.
 """
@@ -48,6 +49,8 @@ class LayoutDriver:
         """Policy consultations so far (each an event)."""
         self._switched = False
         """The next observed step is a switching step (its transfers are not a step of the layout)."""
+        self._peak_priced = 0
+        """The largest batch the policy priced since the last decision the timeline kept."""
         self._policy_s = 0.0
         self._boundary_s = 0.0
         """Seconds the last boundary spent with the policy (inside that step's control time)."""
@@ -76,6 +79,8 @@ class LayoutDriver:
         switched, self._switched = self._switched, False
         if self.policy is None or switched:
             return
+        if (self.steps_in_layout - 1) % self.policy.config.observe_every_steps:
+            return  # a sample of the layout's steps: its first after the switch, then one in K
         t0 = time.perf_counter()
         measured = record["seconds"] - self._boundary_s  # the step, less the policy's time inside it
         signature = (record["requests"], record["rows"], record["prefill_rows"])
@@ -178,10 +183,12 @@ class LayoutDriver:
         decision = self.policy.decide(None if first else layout, batch, self._remaining(running + queued),
                                       self.steps_in_layout, self._hold(scheduler, running), waiting)
         # the timeline keeps the first call, every switch, and a checkpoint each time the batch the
-        # policy priced has halved since the last kept one: a draining group shows, O(log B) times,
-        # what each layout was predicted to cost when the policy stayed put
+        # policy priced has fallen to half its peak since the last kept one (a call's first decision
+        # sees the queue's first admissions, not the batch they grow into): a draining group shows,
+        # O(log B) times, what each layout was predicted to cost when the policy stayed put
         priced = len(running) + decision.admitted.get(decision.chosen.value, 0)
-        drained = bool(self.decision_log) and 2 * priced <= self.decision_log[-1]["priced_batch"]
+        self._peak_priced = max(self._peak_priced, priced)
+        drained = bool(self.decision_log) and 2 * priced <= self._peak_priced
         last = self.decision_log[-1] if self.decision_log else {}
         retried = event == "deferred" and last.get("chosen") == decision.chosen.value  # logged already
         if first or (decision.switch and not retried) or drained:
@@ -189,6 +196,7 @@ class LayoutDriver:
             self.decision_log.append(dict(decision.to_dict(), step=step, batch_size=len(scheduler.running),
                                           waiting=len(scheduler.waiting), priced_batch=priced, logged=why,
                                           event=event, consults=self.consults))
+            self._peak_priced = priced
         if decision.chosen is not layout and (first or decision.switch):
             self.pending, self.pending_cause = (decision.chosen, False), "policy"
 

@@ -201,6 +201,8 @@ class Scheduler:
         """Before a step, without changing anything: [T] pages the running requests' rows would lack on
         each rank, and the requests ``schedule`` would retract for them (youngest first; estimated
         from the pages only they hold). ([0] * T, []) when the step fits."""
+        if self._surely_fits():
+            return [0] * self.placement.world_size, []
         plan = self._running_rows()
         need = self._step_need(plan)
         free = self.placement.pages_free
@@ -218,6 +220,14 @@ class Scheduler:
                 break
         return short, victims
 
+    def _surely_fits(self) -> bool:
+        """Whether every rank has more free pages than any step of the running batch could take: a
+        request's rows need at most ceil(rows / page_size) new pages on a rank and a leader one copied
+        page per follower, so ceil(budget / page_size) + 2 x running bounds a step's need. O(1); the
+        exact per-request count runs only when the pools are nearly full."""
+        bound = -(-self.max_num_batched_tokens // self.placement.page_size) + 2 * len(self.running)
+        return min(self.placement.pages_free) >= bound
+
     def _step_need(self, plan: list[tuple[Request, int]]) -> list[int]:
         """[T] pages this step's rows need (growth, and the followers' copies of a last prompt page)."""
         p = self.placement
@@ -232,6 +242,8 @@ class Scheduler:
 
     def _fit(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Retract the youngest running requests until this step's pages are free on every rank."""
+        if self._surely_fits():
+            return plan
         while True:
             need = self._step_need(plan)
             if all(n <= f for n, f in zip(need, self.placement.pages_free)):

@@ -2,10 +2,13 @@
 
 Between two events the inputs of a decision move little: the running batch decodes one token per
 request, the queue waits, the horizon shrinks by one. A new decision is due when one of them moves
-for real -- requests admitted from the queue, a request finished, the running batch grown or shrunk
-by ``batch_fraction`` since the last decision, a switch the policy chose was deferred (decide again
-rather than retry blindly), a new call -- and at least every ``every_steps`` steps, so the dwell
-and the horizon are looked at as they run out. ``due`` names the event, or returns None.
+for real, measured against the batch the last decision saw (B, at least 1): ``batch_fraction`` x B
+requests admitted from the queue, or finished, or the running batch grown or shrunk by that many; a
+switch the policy chose was deferred (decide again rather than retry blindly); a new call -- and at
+least every ``every_steps`` steps, so the dwell and the horizon are looked at as they run out. At
+B = 4 one finished request is an event; at B = 200 it takes 50, and the admissions and finishes of
+a wide phase cost a decision every few steps instead of one per step. ``due`` names the event, or
+returns None.
 """
 from __future__ import annotations
 
@@ -38,11 +41,12 @@ class DecisionEvents:
         last_step, last_running, last_waiting = self._last
         if deferred:
             return "deferred"
-        if waiting < last_waiting:
+        moved = self.batch_fraction * max(last_running, 1)  # requests that make a change real
+        if last_waiting - waiting >= moved:
             return "admitted"
-        if self._finished:
+        if self._finished >= moved:
             return "finished"
-        if abs(running - last_running) >= self.batch_fraction * max(last_running, 1):
+        if abs(running - last_running) >= moved:
             return "batch moved"
         if step - last_step >= self.every_steps:
             return "every"

@@ -74,10 +74,15 @@ class PolicyConfig:
     the running batch moving by ``decide_batch_fraction``) and at least every this many steps."""
     decide_batch_fraction: float = 0.25
     """Relative change of the running batch since the last decision that makes a new one due."""
+    observe_every_steps: int = 4
+    """An engine hands the online correction one step in this many (and the first of every layout):
+    a drain's steps repeat their shape, and pricing each one costs rank 0 as much as a decision."""
 
     def __post_init__(self) -> None:
         if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:
             raise ValueError("policy: margins and min_dwell_steps must be non-negative")
+        if self.observe_every_steps < 1:
+            raise ValueError(f"observe_every_steps: expected a positive integer, got {self.observe_every_steps}")
         if self.decide_every_steps < 1:
             raise ValueError(f"decide_every_steps: expected a positive integer, got {self.decide_every_steps}")
         if not 0.0 < self.decide_batch_fraction <= 1.0:

@@ -15,15 +15,29 @@ def test_events_in_order_of_what_changed():
     assert ev.due(0, 8, 4) == "call"
     ev.decided(0, 8, 4)
     assert ev.due(1, 8, 4) is None
-    assert ev.due(1, 9, 3) == "admitted"  # the queue shrank
-    assert ev.due(1, 6, 4) == "batch moved" and ev.due(1, 7, 4) is None  # 2 of 8 is 25 %, 1 is not
+    # against the 8 requests the last decision saw, a change is real at 2 (25 %), not at 1
+    assert ev.due(1, 9, 3) is None and ev.due(1, 10, 2) == "admitted"  # the queue shrank by 2
+    assert ev.due(1, 6, 4) == "batch moved" and ev.due(1, 7, 4) is None
     ev.finished(1)
-    assert ev.due(1, 8, 4) == "finished"
+    assert ev.due(1, 8, 4) is None
+    ev.finished(1)
+    assert ev.due(1, 8, 4) == "finished"  # two finished (and two admitted in their place)
     assert ev.due(1, 8, 4, deferred=True) == "deferred"
     ev.decided(1, 8, 4)
     assert ev.due(10, 8, 4) is None and ev.due(11, 8, 4) == "every"
     ev.reset()
     assert ev.due(12, 8, 4) == "call"
+    # a wide batch: 50 of 200 must finish before the answer can change; a batch of 2, one
+    ev.decided(12, 200, 0)
+    ev.finished(49)
+    assert ev.due(13, 200, 0) is None
+    ev.finished(1)
+    assert ev.due(13, 200, 0) == "finished"
+    ev.decided(13, 2, 0)
+    ev.finished(1)
+    assert ev.due(14, 1, 0) == "finished"
+    ev.decided(14, 0, 5)  # an empty batch: one admission is a change
+    assert ev.due(15, 1, 4) == "admitted"
     with pytest.raises(ValueError, match="every_steps"):
         DecisionEvents(every_steps=0)
     with pytest.raises(ValueError, match="batch_fraction"):
@@ -96,11 +110,13 @@ def test_the_driver_consults_only_at_events():
     policy = CountingPolicy(PolicyConfig(decide_every_steps=8, min_dwell_steps=1000))
     sched = _scheduler(_req(i) for i in range(8))
     driver = LayoutDriver(policy)
-    consulted, _ = _drive(driver, sched, Layout.DP, 40, finish_at=(12,))
-    # the call's first boundary, every 8 steps, and the boundary after a request finished (step 12)
+    consulted, _ = _drive(driver, sched, Layout.DP, 40, finish_at=(11, 12))
+    # the call's first boundary, every 8 steps, and the boundary after a quarter of the batch
+    # finished (two of 8, at steps 11 and 12; one alone is no event)
     assert consulted == [0, 8, 13, 21, 29, 37], consulted
-    assert len(policy.calls) == len(consulted) and policy.observed >= 39  # every step feeds the correction
-    # admissions: the queue shrinking makes the next boundary an event
+    # the correction is fed the layout's first step and one in observe_every_steps (4) after it
+    assert len(policy.calls) == len(consulted) and policy.observed == 10
+    # admissions: the queue shrinking by a quarter of the batch (2 of 6) makes the next boundary an event
     sched.waiting = [_req(100 + i, ctx=0) for i in range(3)]
     driver.new_call()
     driver.at_boundary(Layout.DP, 100, sched)
@@ -109,6 +125,9 @@ def test_the_driver_consults_only_at_events():
     assert driver.consults == n  # nothing changed
     sched.running.append(sched.waiting.pop(0))
     driver.at_boundary(Layout.DP, 102, sched)
+    assert driver.consults == n  # one admission of 6 running: not yet
+    sched.running.append(sched.waiting.pop(0))
+    driver.at_boundary(Layout.DP, 103, sched)
     assert driver.consults == n + 1
 
 

@@ -180,3 +180,28 @@ def test_kv_routes_make_every_rank_join_when_any_rank_moves_tokens():
     assert r0.send_slots[0] == [40 * 16 + x for x in range(4)] and r0.recv_slots[0] == [3 * 16 + x for x in range(4)]
     still = KVMove(0, 0, 20, [[0, 1], [NOT_HERE, NOT_HERE]], [[0, 1], [NOT_HERE, NOT_HERE]])
     assert not token_routes([still], 1, 2, 16).collective  # nothing moves anywhere: no collective
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 24), st.integers(4, 40)), min_size=2, max_size=10),
+       st.sampled_from(list(Layout)), st.integers(1, 48), st.integers(1, 4), st.integers(8, 30))
+def test_the_quick_bound_on_a_steps_pages_never_hides_pressure(reqs, layout, budget, page_size, num_pages):
+    """``_surely_fits`` (ceil(budget / page) + 2 x running free pages on every rank) skips the exact
+    per-request count; wherever it says so, the exact count finds the step's pages free -- over
+    random workloads with shared prompts (followers copying a last page), every layout, two ranks,
+    pools small enough that optimistic admission runs out of pages and retracts."""
+    pm = KVPlacement([num_pages] * 2, page_size, layout)
+    sched = _Scheduler(pm, budget, prefix_sharing=True)
+    for i, (prompt, plen, new) in enumerate(reqs):
+        r = Request(i, [3 + prompt] * plen, SamplingSpec(max_new_tokens=new, ignore_eos=True), 1000, (1,))
+        if sched.can_ever_admit(r):
+            sched.add(r)
+    while sched.has_unfinished:
+        if sched._surely_fits():
+            need = sched._step_need(sched._running_rows())
+            assert all(n <= f for n, f in zip(need, pm.pages_free)), (need, pm.pages_free)
+        s = sched.schedule()
+        assert s
+        r = sum(x.samples * (1 + len(x.forks)) for x in s)  # a leader's last prompt row samples for its followers too
+        sched.postprocess(s, torch.full((r,), 7), torch.zeros(r))
+    assert pm.pages_free == [num_pages] * 2
