@@ -44,6 +44,7 @@ from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
 from splash_rollout.layout.layouts import Ownership
 from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
 from splash_rollout.scheduling.deployment import Deployment
+from splash_rollout.scheduling.phase import PhasePrefill, owner_pieces, prefill_step
 from splash_rollout.scheduling.online import GROUPS, StepTimeCorrection, stage_groups, step_shape
 from splash_rollout.scheduling.switch_cost import SwitchCost, layer_transfer_seconds, overlapped_seconds
 
@@ -167,68 +168,6 @@ class Waiting:
         if p.shape != r.shape:
             raise ValueError(f"reserved: expected one value per waiting request ({p.size}), got {r.size}")
         return cls(p, r, int(token_budget), int(max_seqs))
-
-
-@dataclass(frozen=True)
-class PhasePrefill:
-    """The prompt rows the phase ahead prefills, split by when they can start: ``now`` (the running
-    prefills and the queue's head in the free slots) and ``later`` (the queued prompts that enter
-    one per running request finishing within the horizon, after the first ``now_requests``)."""
-
-    now_rows: int
-    """Rows that can prefill from this step on: the running prefills' rest and the free slots' prompts."""
-    now_requests: int = 0
-    """Queued requests among ``now_rows`` (the free slots): the queue's first ``now_requests``."""
-    later_rows: int = 0
-    """Rows of the queued prompts that enter as running requests finish within the horizon."""
-    later_requests: int = 0
-    """How many of them: the queue's next ``later_requests`` after the first ``now_requests``."""
-
-    def __post_init__(self) -> None:
-        for name in ("now_rows", "now_requests", "later_rows", "later_requests"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"PhasePrefill.{name}: expected a non-negative count, got {getattr(self, name)}")
-        if (self.later_rows > 0) != (self.later_requests > 0):
-            raise ValueError(f"PhasePrefill: later_rows ({self.later_rows}) and later_requests "
-                             f"({self.later_requests}) must both be zero or both positive")
-
-    @property
-    def rows(self) -> int:
-        return self.now_rows + self.later_rows
-
-    def next_arrivals(self, waiting: Waiting | None, running: int, horizon: float
-                      ) -> tuple[Waiting, int, bool] | None:
-        """The later prompts that arrive next, as the queue one phase step admits from: (that queue,
-        its prompt rows, whether other later prompts follow it). The later prompts split, in FIFO
-        order, into runs of one kind, and only the first run is the phase's:
-
-        * prompts that fit one step's budget beside ``running`` decode rows arrive one per finish,
-          so a step carries what arrived since the previous one: their rows over min(horizon, their
-          count) -- at least one prompt's worth on average, more only when more than one finishes
-          per step;
-        * a prompt longer than that budget is prefilled in full-budget chunks however it arrives.
-
-        A run of the other kind behind the first is a phase of its own: the policy is consulted
-        again before it reaches the head, and a switch then costs what a switch now would, so
-        averaging it into this phase's price would only choose a layout that suits neither (short
-        prompts prefilled at a long prompt's layout, or the reverse). None when nothing enters later."""
-        if waiting is None or not self.later_requests:
-            return None
-        head = slice(self.now_requests, self.now_requests + self.later_requests)
-        prompt, reserved = waiting.prompt[head], waiting.reserved[head]
-        room = waiting.token_budget - running  # prefill rows one step has beside the decode rows
-        if not prompt.size or room < 1:
-            return None
-        long = prompt > room
-        change = np.flatnonzero(long != long[0])
-        n = int(change[0]) if change.size else prompt.size  # the first run: the queue's next n
-        rows = int(prompt[:n].sum())
-        if long[0]:
-            budget = waiting.token_budget
-        else:
-            per_step = math.ceil(rows / max(1.0, min(max(horizon, 1.0), float(n))))
-            budget = running + min(room, per_step)
-        return Waiting(prompt[:n], reserved[:n], budget, running + n), rows, n < prompt.size
 
 
 @dataclass(frozen=True)
@@ -401,60 +340,74 @@ class LayoutPolicy:
         extra = -(-sc.layer_buffer_bytes // d.sizes.kv_bytes_per_token_total)  # in pool tokens
         return fits(dst, hold, d.pools.get(dst, 0) - extra, d.world_size, owners)
 
-    def phase_seconds_per_token(self, priced: dict, batch: StepBatch, horizon: float, prefill: "int | PhasePrefill",
+    def phase_seconds_per_token(self, priced: dict, batch: StepBatch, horizon: float, prefill: int | PhasePrefill,
                                 hold: np.ndarray | None = None, waiting: Waiting | None = None
                                 ) -> dict[Layout, float]:
-        """Per layout: predicted seconds per processed row over the next ``horizon`` steps, every
-        layout priced on the same work at its own prefill rate. ``prefill`` says how the phase's
-        prompt rows arrive (an int: all of them at once):
+        """Per layout: predicted seconds per row of the phase ahead, every layout priced on the same
+        work -- the phase's prompt rows and ``horizon`` decode steps of the batch -- at its own
+        rates. ``prefill`` says how the prompt rows arrive (an int: all of them now; see
+        ``phase.PhasePrefill``):
 
         * the rows that can run now (the running prefills, the prompts of the free slots) take
-          ceil(rows / that layout's rows per step) steps at the cost of the step it would run with
-          the queue's head admitted up to the token budget as if its pool had room (``hold``,
-          ``waiting``: as ``decide`` gets them; what this step's pool admits is a snapshot);
-        * the prompts that enter later, one per running request that finishes, arrive spread over
-          the horizon: a step carries what arrived since the last one (their rows over
-          min(horizon, their count), at least one prompt's worth on average, at most the budget),
-          so each layout pays its per-prefill-step cost on the steps that trickle, not on one
-          full-budget step -- the free slots of this one step do not set the phase's prefill rate;
-        * the rest of the horizon runs the batch decoding, one row per request (cost at the
-          current context). With nothing to prefill the phase is decode alone."""
+          ceil(rows / that layout's prefill rows per step) steps at the cost of the step it would
+          run with the queue's head admitted up to the token budget as if its pool had room
+          (``hold``, ``waiting``: as ``decide`` gets them; what this step's pool admits is a
+          snapshot);
+        * the prompts that enter later arrive as ``PhasePrefill.next_arrivals`` says: short ones
+          one per finishing request, a step carrying what arrived since the last one, so each
+          layout pays its per-prefill-step cost on the steps they trickle in; long ones in
+          full-budget chunks;
+        * the steps of the horizon left after the prefill steps run the batch decoding, one row per
+          request (at the current context). A layout whose prefill outlasts the horizon pays for
+          all of it: the work is the same for every layout, the time is its own.
+
+        A layout that prefills on owners (DP-attention, DOP) runs at most its budget / T rows per
+        owner a step -- a long prompt on one owner at that rate -- and an admitted prompt's chunk is
+        priced at the context halfway through its prefill."""
         d = self.dep
         phase = prefill if isinstance(prefill, PhasePrefill) else PhasePrefill(int(prefill))
         decode = StepBatch.make(np.maximum(batch.context, 1), np.ones(batch.size, dtype=np.int64), batch.owners)
         hold = batch.context if hold is None else hold
-        later = phase.next_arrivals(waiting, batch.size, horizon)
+        later = None if waiting is None else phase.next_arrivals(waiting.prompt, waiting.reserved,
+                                                                  waiting.token_budget, batch.size, horizon)
         out = {}
         for l, (cost, step, _) in priced.items():
             if not cost.feasible or batch.size == 0:
                 out[l] = cost.seconds / max(1, step.rows)
                 continue
+            cap = 0  # rows one owner prefills a step (0: the group's budget, not per owner)
+            if waiting is not None and l.ownership is Ownership.OWNER:
+                cap = max(1, d.chunk_tokens(l, waiting.token_budget) // d.world_size)
             if phase.now_rows and waiting is not None and waiting.prompt.size:
                 step, _, _ = admit(l, batch, hold, waiting, 1 << 62, d.world_size, d.page_size)
+                step = prefill_step(step, batch.size, waiting.prompt, cap)
+            elif cap:
+                step = prefill_step(step, step.size, np.zeros(0, np.int64), cap)
+            if step is not priced[l][1]:
                 cost = self._price(l, step)
-            left = max(horizon, 1.0)
             pre_rows = int(step.query_rows[step.query_rows > 1].sum())
-            n_now = min(left, math.ceil(phase.now_rows / pre_rows)) if pre_rows and phase.now_rows else 0
-            seconds, work = n_now * cost.seconds, n_now * step.rows
-            phase_end = horizon
-            if later is not None and left > n_now:
-                queue, rows, more = later
+            n_pre = math.ceil(phase.now_rows / pre_rows) if pre_rows and phase.now_rows else 0
+            seconds, rows = n_pre * cost.seconds, (phase.now_rows if n_pre else 0)
+            if later is not None:
+                prompt, reserved = later.prompt, later.reserved
+                if cap and not later.long:
+                    prompt, reserved = owner_pieces(prompt, reserved, cap)
+                queue = Waiting(prompt, reserved, later.token_budget, decode.size + prompt.size)
                 arrive, _, _ = admit(l, decode, decode.context, queue, 1 << 62, d.world_size, d.page_size)
+                arrive = prefill_step(arrive, decode.size, prompt, cap)
                 a_rows = int(arrive.query_rows[arrive.query_rows > 1].sum())
-                n_later = min(left - n_now, math.ceil(rows / a_rows)) if a_rows else 0
-                seconds += n_later * self._price(l, arrive).seconds
-                work += n_later * arrive.rows
-                n_now += n_later
-                if more:  # the next run starts where this one ends: the phase ends there
-                    phase_end = min(horizon, n_now)
-            n_dec = max(phase_end - n_now, 0.0)
-            seconds += n_dec * self._price(l, decode).seconds if n_dec else 0.0
-            work += n_dec * batch.size
-            out[l] = seconds / work if work else cost.seconds / max(1, step.rows)
+                if a_rows:
+                    n_later = math.ceil(later.rows / a_rows)
+                    seconds += n_later * self._price(l, arrive).seconds
+                    n_pre, rows = n_pre + n_later, rows + later.rows
+            n_dec = max(horizon - n_pre, 0.0)
+            if n_dec:
+                seconds += n_dec * self._price(l, decode).seconds
+            out[l] = seconds / (rows + max(horizon, 1.0) * batch.size)
         return out
 
     def decide(self, current: Layout | None, batch: StepBatch, remaining_tokens, steps_in_layout: int = 0,
-               reserved=None, waiting: Waiting | None = None, prefill_left: "int | PhasePrefill | None" = None
+               reserved=None, waiting: Waiting | None = None, prefill_left: int | PhasePrefill | None = None
                ) -> Decision:
         """Next layout for ``batch``. ``remaining_tokens``: [B] max_new_tokens left per request;
         ``reserved``: [B] tokens each request may reach (prompt + max_new_tokens) for the fit check;

@@ -36,7 +36,8 @@ from splash_rollout.layout import Layout, fits
 from splash_rollout.layout.fit import rank_demand
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, choose_owner, step_time
 from splash_rollout.scheduling.horizon import residual_tokens
-from splash_rollout.scheduling.policy import PhasePrefill, Waiting
+from splash_rollout.scheduling.phase import PhasePrefill
+from splash_rollout.scheduling.policy import Waiting
 
 ADAPTIVE = "adaptive"
 

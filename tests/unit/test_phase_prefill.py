@@ -1,14 +1,14 @@
 """The phase's prefill rate comes from the admissions the phase will see: the free slots' prompts at
 once, then the queued prompts one per finishing request, spread over the horizon -- not from the
-free slots of the step the policy is consulted at."""
-import math
-
+free slots of the step the policy is consulted at. Layouts that prefill on owners run at most
+their per-owner share a step, and every layout is priced on the same work."""
 import numpy as np
 import pytest
 
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, step_time
-from splash_rollout.scheduling.policy import PhasePrefill, Waiting, admit
+from splash_rollout.scheduling.phase import PhasePrefill, mid_prefill, owner_capped, owner_pieces
+from splash_rollout.scheduling.policy import Waiting, admit
 
 
 @pytest.fixture(scope="module")
@@ -17,27 +17,27 @@ def dep():
 
 
 def test_short_prompts_arrive_at_their_rows_over_the_horizon():
-    queue = Waiting.make([1000] * 2 + [2000] * 6, [10_000] * 8, 16_384, 1024)
+    prompt, reserved = np.array([1000] * 2 + [2000] * 6), np.full(8, 10_000)
     phase = PhasePrefill(now_rows=2000, now_requests=2, later_rows=12_000, later_requests=6)
     # six prompts over a 3-step horizon: two arrive per step, 4,000 rows a step beside 100 decode rows
-    got, rows, more = phase.next_arrivals(queue, running=100, horizon=3.0)
-    assert got.prompt.tolist() == [2000] * 6 and rows == 12_000 and not more
+    got = phase.next_arrivals(prompt, reserved, 16_384, running=100, horizon=3.0)
+    assert got.prompt.tolist() == [2000] * 6 and got.rows == 12_000 and not got.long and not got.more
     assert got.token_budget == 100 + 4000
     # over a 60-step horizon they arrive one every ten steps: a step carries one prompt's worth
-    got, _, _ = phase.next_arrivals(queue, running=100, horizon=60.0)
+    got = phase.next_arrivals(prompt, reserved, 16_384, running=100, horizon=60.0)
     assert got.token_budget == 100 + 2000
 
 
-def test_a_prompt_longer_than_the_budget_is_its_own_run_at_the_full_budget():
-    queue = Waiting.make([3000, 3000, 400_000, 300_000], [1 << 20] * 4, 16_384, 1024)
+def test_a_prompt_longer_than_the_budget_is_a_run_of_its_own_at_the_full_budget():
+    prompt, reserved = np.array([3000, 3000, 400_000, 300_000]), np.full(4, 1 << 20)
     phase = PhasePrefill(now_rows=0, now_requests=0, later_rows=706_000, later_requests=4)
-    got, rows, more = phase.next_arrivals(queue, running=384, horizon=50.0)
+    got = phase.next_arrivals(prompt, reserved, 16_384, running=384, horizon=50.0)
     # the two short prompts come first; the long ones behind them are a phase of their own
-    assert got.prompt.tolist() == [3000, 3000] and rows == 6000 and more
+    assert got.prompt.tolist() == [3000, 3000] and got.rows == 6000 and got.more and not got.long
     assert got.token_budget == 384 + 3000  # two prompts over min(50 steps, 2): one a step
     behind = PhasePrefill(now_rows=6000, now_requests=2, later_rows=700_000, later_requests=2)
-    got, rows, more = behind.next_arrivals(queue, running=384, horizon=50.0)
-    assert got.prompt.tolist() == [400_000, 300_000] and rows == 700_000 and not more
+    got = behind.next_arrivals(prompt, reserved, 16_384, running=384, horizon=50.0)
+    assert got.prompt.tolist() == [400_000, 300_000] and got.rows == 700_000 and got.long and not got.more
     assert got.token_budget == 16_384
 
 
@@ -48,12 +48,34 @@ def test_phase_prefill_rejects_inconsistent_counts():
         PhasePrefill(now_rows=0, now_requests=-1)
 
 
+def test_owner_capped_gives_each_owner_its_share_fcfs():
+    # owner 0: chunks of 1,500 and 1,000 (cap 2,000: 1,500 then 500); owner 1: 3,000 -> 2,000
+    step = StepBatch.make([5000, 1500, 1000, 3000], [1, 1500, 1000, 3000], [0, 0, 0, 1])
+    got, kept = owner_capped(step, 2000)
+    assert kept.all() and got.query_rows.tolist() == [1, 1500, 500, 2000]
+    assert got.context.tolist() == [5000, 1500, 500, 2000]
+    # a chunk cut to no rows leaves the step
+    got, kept = owner_capped(StepBatch.make([1500, 1000], [1500, 1000], [0, 0]), 1500)
+    assert got.query_rows.tolist() == [1500] and kept.tolist() == [True, False]
+
+
+def test_owner_pieces_and_mid_prefill():
+    pieces, reserved = owner_pieces(np.array([2500, 1000]), np.array([9000, 4000]), 2048)
+    assert pieces.tolist() == [2048, 452, 1000] and reserved.tolist() == [4500, 4500, 4000]
+    # a 400,000-row prompt's 16,384-row chunk attends to (400,000 + 16,384) / 2 on average
+    step = StepBatch.make([3000, 16_384], [1, 16_384], [0, 1])
+    got = mid_prefill(step, 1, np.array([400_000]))
+    assert got.context.tolist() == [3000, (400_000 + 16_384) // 2]
+    assert got.query_rows.tolist() == [1, 16_384]
+
+
 def test_phase_price_is_now_steps_then_arrival_steps_then_decode(dep):
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
     t = dep.world_size
     batch = StepBatch.make([3000] * 64, 1, np.arange(64) % t)  # 64 decoding, none prefilling
     hold = batch.context
-    # one slot free now (max_seqs 65), then eight 2,048-row prompts as requests finish
+    # one slot free now (max_seqs 65), then eight 2,048-row prompts as requests finish; each owner
+    # may prefill (64 + 16,384) // 8 = 2,056 rows a step, so no chunk here is cut
     waiting = Waiting.make([2048] * 9, [4096] * 9, 64 + 16_384, 65)
     phase = PhasePrefill(now_rows=2048, now_requests=1, later_rows=8 * 2048, later_requests=8)
     horizon = 40.0
@@ -71,11 +93,11 @@ def test_phase_price_is_now_steps_then_arrival_steps_then_decode(dep):
         assert arrive.rows == 64 + 2048
         price = lambda s: step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds  # noqa: E731
         seconds = 1 * price(now) + 8 * price(arrive) + (horizon - 9) * price(decode)
-        work = 1 * now.rows + 8 * arrive.rows + (horizon - 9) * 64
+        work = 9 * 2048 + horizon * 64
         assert got[layout] == pytest.approx(seconds / work, rel=1e-12), layout
 
 
-def test_the_phase_ends_where_a_run_of_long_prompts_begins(dep):
+def test_a_run_of_long_prompts_behind_the_short_ones_is_left_to_its_own_phase(dep):
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
     t = dep.world_size
     batch = StepBatch.make([3000] * 64, 1, np.arange(64) % t)
@@ -83,16 +105,43 @@ def test_the_phase_ends_where_a_run_of_long_prompts_begins(dep):
     # no slot free; four short prompts then a long one enter as requests finish
     waiting = Waiting.make([2048] * 4 + [300_000], [4096] * 4 + [301_000], 64 + 16_384, 64)
     phase = PhasePrefill(now_rows=0, now_requests=0, later_rows=4 * 2048 + 300_000, later_requests=5)
+    horizon = 100.0
     priced = policy.admitted_costs(batch, hold, waiting)
-    got = policy.phase_seconds_per_token(priced, batch, 100.0, phase, hold, waiting)
+    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
     decode = StepBatch.make(batch.context, 1, batch.owners)
     for layout, (cost, _, _) in priced.items():
         if not cost.feasible:
             continue
         later = Waiting.make([2048] * 4, [4096] * 4, 64 + 2048, 64 + 4)
         arrive, _, _ = admit(layout, decode, decode.context, later, 1 << 62, t, dep.page_size)
-        # four arrival steps, and nothing after them: the long prompt is the next phase's
-        want = step_time(layout, arrive, dep.model, dep.profile, dep.sizes).seconds / arrive.rows
+        price = lambda s: step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds  # noqa: E731
+        # four arrival steps, then the batch decodes; the long prompt is not this phase's work
+        want = (4 * price(arrive) + (horizon - 4) * price(decode)) / (4 * 2048 + horizon * 64)
+        assert got[layout] == pytest.approx(want, rel=1e-12), layout
+
+
+def test_a_long_prompt_prefills_on_its_owner_at_the_owners_share(dep):
+    policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
+    t = dep.world_size
+    batch = StepBatch.make([3000] * 64, 1, np.arange(64) % t)
+    hold = batch.context
+    # one slot free: a 160,000-row prompt enters now
+    waiting = Waiting.make([160_000], [161_000], 64 + 16_384, 65)
+    phase = PhasePrefill(now_rows=160_000, now_requests=1)
+    horizon = 200.0
+    priced = policy.admitted_costs(batch, hold, waiting)
+    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    decode = StepBatch.make(batch.context, 1, batch.owners)
+    for layout, (cost, _, _) in priced.items():
+        if not cost.feasible:
+            continue
+        price = lambda s: step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds  # noqa: E731
+        chunk, n_pre = 16_384, 10  # the group's budget: 160,000 rows in ten steps
+        if layout in (Layout.DP, Layout.DOP):
+            chunk, n_pre = 2056, 78  # one owner's share: 160,000 rows in 78 steps
+        now = StepBatch.make(np.append(batch.context, (160_000 + chunk) // 2), np.append(np.ones(64, np.int64), chunk),
+                             np.append(batch.owners, 0))
+        want = (n_pre * price(now) + (horizon - n_pre) * price(decode)) / (160_000 + horizon * 64)
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
 
 
@@ -103,4 +152,3 @@ def test_an_int_still_means_every_row_starts_now(dep):
     as_int = policy.phase_seconds_per_token(priced, batch, 100.0, 8192 * 5)
     as_phase = policy.phase_seconds_per_token(priced, batch, 100.0, PhasePrefill(now_rows=8192 * 5))
     assert as_int == as_phase
-    assert all(math.isfinite(v) for v in as_int.values())

@@ -50,7 +50,8 @@ def test_phase_pricing_is_prefill_steps_then_decode_steps(dep):
     for layout, (cost, step, _) in priced.items():
         n_pre = 5  # 40,960 rows at 8,192 a step
         t_dec = step_time(layout, decode, dep.model, dep.profile, dep.sizes).seconds
-        want = (n_pre * cost.seconds + (horizon - n_pre) * t_dec) / (n_pre * step.rows + (horizon - n_pre) * 64)
+        # the same work for every layout: the prompt rows and the horizon's decode rows
+        want = (n_pre * cost.seconds + (horizon - n_pre) * t_dec) / (prefill_left + horizon * 64)
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
     # with nothing left to prefill the phase is the batch decoding
     only = policy.phase_seconds_per_token(priced, batch, horizon, 0)
@@ -58,6 +59,7 @@ def test_phase_pricing_is_prefill_steps_then_decode_steps(dep):
 
 
 def test_phase_prefill_rate_is_the_full_budget_step_not_this_steps_admission(dep):
+    from splash_rollout.scheduling.phase import owner_capped
     from splash_rollout.scheduling.policy import Waiting, admit
 
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
@@ -76,10 +78,21 @@ def test_phase_prefill_rate_is_the_full_budget_step_not_this_steps_admission(dep
         full, _, added = admit(layout, batch, hold, waiting, 1 << 62, dep.world_size, dep.page_size)
         assert added == 3  # the budget's other 6,144 rows: three 2,048-row prompts
         n_pre = 2  # 16,384 rows at 8,192 a step
+        if layout in (Layout.DP, Layout.DOP):
+            # each owner prefills at most 8,207 // 8 = 1,025 rows a step; owner 7 (the least
+            # projected KV) holds the running prefill and gets the first admitted prompt, which
+            # waits behind it, so three owners prefill
+            full, _ = owner_capped(full, 1025)
+            assert full.query_rows[full.query_rows > 1].tolist() == [1025] * 3
+            # the two admitted chunks attend, halfway through their prompts, to (2,048 + 1,025) // 2
+            context = full.context.copy()
+            context[-2:] = 1536
+            full = StepBatch.make(context, full.query_rows, full.owners)
+            n_pre = 6  # 16,384 rows at 3,075 a step
         t_pre = step_time(layout, full, dep.model, dep.profile, dep.sizes).seconds
         decode = StepBatch.make(batch.context, np.ones(16, dtype=np.int64), owners)
         t_dec = step_time(layout, decode, dep.model, dep.profile, dep.sizes).seconds
-        want = (n_pre * t_pre + (horizon - n_pre) * t_dec) / (n_pre * full.rows + (horizon - n_pre) * 16)
+        want = (n_pre * t_pre + (horizon - n_pre) * t_dec) / (prefill_left + horizon * 16)
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
 
 

@@ -1,0 +1,155 @@
+"""How the prompt rows of the phase ahead arrive, and the prefill steps each layout runs them in.
+
+The policy's phase pricing (``LayoutPolicy.phase_seconds_per_token``) compares layouts over the
+horizon. What one step admits is a snapshot: a batch at its request limit admits as many prompts as
+it has free slots this step -- five at one decision, one at the next -- and a layout with a large
+fixed cost per prefill step looks fast on the first and slow on the second. Over a phase the queue
+enters as the batch finishes: the free slots' prompts now, then one per finishing request, spread
+over the horizon. This file owns that split (``PhasePrefill``), the queue one phase step admits from
+(``PhasePrefill.next_arrivals``), and the step shapes of layouts that prefill on owners
+(``owner_capped``, ``owner_pieces``) or over a long prompt's growing context (``mid_prefill``).
+
+Rows are query rows (tokens a step computes); counts are requests.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from splash_rollout.scheduling.cost_model import StepBatch
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """The later prompts that arrive next, as the queue one phase step admits from."""
+
+    prompt: np.ndarray
+    """[A] int64: their prompt rows, FIFO."""
+    reserved: np.ndarray
+    """[A] int64: tokens each reserves."""
+    token_budget: int
+    """Query rows of the step that admits them (decode rows included)."""
+    rows: int
+    """Prompt rows of the run (``prompt.sum()``)."""
+    long: bool
+    """Prompts longer than one step's budget (prefilled in full-budget chunks) rather than short
+    ones that arrive one per finishing request."""
+    more: bool
+    """Other later prompts, of the other kind, follow this run."""
+
+
+@dataclass(frozen=True)
+class PhasePrefill:
+    """The prompt rows the phase ahead prefills, split by when they can start: ``now`` (the running
+    prefills and the queue's head in the free slots) and ``later`` (the queued prompts that enter
+    one per running request finishing within the horizon, after the first ``now_requests``)."""
+
+    now_rows: int
+    """Rows that can prefill from this step on: the running prefills' rest and the free slots' prompts."""
+    now_requests: int = 0
+    """Queued requests among ``now_rows`` (the free slots): the queue's first ``now_requests``."""
+    later_rows: int = 0
+    """Rows of the queued prompts that enter as running requests finish within the horizon."""
+    later_requests: int = 0
+    """How many of them: the queue's next ``later_requests`` after the first ``now_requests``."""
+
+    def __post_init__(self) -> None:
+        for name in ("now_rows", "now_requests", "later_rows", "later_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PhasePrefill.{name}: expected a non-negative count, got {getattr(self, name)}")
+        if (self.later_rows > 0) != (self.later_requests > 0):
+            raise ValueError(f"PhasePrefill: later_rows ({self.later_rows}) and later_requests "
+                             f"({self.later_requests}) must both be zero or both positive")
+
+    @property
+    def rows(self) -> int:
+        return self.now_rows + self.later_rows
+
+    def next_arrivals(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int,
+                      horizon: float) -> Arrivals | None:
+        """The later prompts that arrive next. ``prompt``, ``reserved``: [W] the queue, FIFO;
+        ``token_budget``: query rows one step may run; ``running``: decode rows beside them.
+        The later prompts split, in FIFO order, into runs of one kind, and only the first run is
+        this phase's:
+
+        * prompts that fit one step's budget arrive one per finish, so a step carries what arrived
+          since the previous one: the run's rows over min(horizon, its count) -- at least one
+          prompt's worth on average, more only when more than one finishes per step;
+        * a prompt longer than that budget is prefilled in full-budget chunks however it arrives.
+
+        A run of the other kind behind the first is a phase of its own: the policy is consulted
+        again before it reaches the head, and averaging it into this phase's price would choose a
+        layout that suits neither (short prompts prefilled at a long prompt's layout, or the
+        reverse). None when nothing enters later."""
+        if not self.later_requests:
+            return None
+        head = slice(self.now_requests, self.now_requests + self.later_requests)
+        prompt, reserved = prompt[head], reserved[head]
+        room = token_budget - running  # prefill rows one step has beside the decode rows
+        if not prompt.size or room < 1:
+            return None
+        long = prompt > room
+        change = np.flatnonzero(long != long[0])
+        n = int(change[0]) if change.size else prompt.size  # the first run: the next n of the queue
+        rows = int(prompt[:n].sum())
+        budget = token_budget
+        if not long[0]:
+            per_step = math.ceil(rows / max(1.0, min(max(horizon, 1.0), float(n))))
+            budget = running + min(room, per_step)
+        return Arrivals(prompt[:n], reserved[:n], budget, rows, bool(long[0]), n < prompt.size)
+
+
+def owner_capped(step: StepBatch, cap: int) -> tuple[StepBatch, np.ndarray]:
+    """``step`` as a layout that prefills on owners runs it: each owner prefills at most ``cap`` rows
+    a step, FCFS over its own prefilling requests (a chunk cut to no rows leaves the step, its
+    context with it). Decode rows are untouched. Returns (the step, kept: [B] bool, which of
+    ``step``'s requests it still holds)."""
+    q = step.query_rows.copy()
+    pre = np.flatnonzero(q > 1)
+    if not pre.size:
+        return step, np.ones(step.size, dtype=bool)
+    used: dict[int, int] = {}
+    for i in pre.tolist():
+        o = int(step.owners[i])
+        q[i] = min(int(q[i]), max(cap - used.get(o, 0), 0))
+        used[o] = used.get(o, 0) + int(q[i])
+    keep = (q > 0) | (step.query_rows <= 1)
+    context = step.context - (step.query_rows - q)
+    return StepBatch.make(context[keep], q[keep], step.owners[keep], step.sampling_rows, step.prefill_done), keep
+
+
+def prefill_step(step: StepBatch, first: int, prompt: np.ndarray, cap: int) -> StepBatch:
+    """The step a layout runs for ``step`` (its requests from position ``first`` on admitted from a
+    queue whose prompt rows are ``prompt``, FIFO): cut to ``cap`` rows per owner when the layout
+    prefills on owners (``cap`` > 0), then each admitted chunk at its prompt's mid-prefill context."""
+    kept = np.ones(step.size, dtype=bool)
+    if cap:
+        step, kept = owner_capped(step, cap)
+    admitted = kept[first:]
+    return mid_prefill(step, int(kept[:first].sum()), prompt[: admitted.size][admitted])
+
+
+def owner_pieces(prompt: np.ndarray, reserved: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Short prompts arriving one per finish overlap on different owners (one's second chunk beside
+    the next one's first), so for a layout that prefills on owners a step's arrivals are pieces of
+    at most ``cap`` rows spread over owners. Returns (pieces [P] int64, reserved [P] int64: each
+    prompt's reservation split evenly over its pieces)."""
+    n = -(-prompt // cap)  # [A] pieces per prompt
+    offset = np.concatenate([np.arange(k) for k in n.tolist()]) * cap if n.size else np.zeros(0, np.int64)
+    pieces = np.minimum(np.repeat(prompt, n) - offset, cap)
+    return pieces.astype(np.int64), np.repeat(-(-reserved // n), n).astype(np.int64)
+
+
+def mid_prefill(step: StepBatch, first: int, prompt: np.ndarray) -> StepBatch:
+    """``step`` with each admitted request (positions ``first``.. of the step; ``prompt``: [A] their
+    prompt rows, FIFO) at the context its chunk sees halfway through its prompt's prefill: a long
+    prompt prefilled in chunks attends, on average over its chunks, to half of itself, not to its
+    first chunk alone."""
+    if step.size <= first:
+        return step
+    context = step.context.copy()
+    q = step.query_rows[first:]
+    context[first:] = np.maximum(context[first:], (prompt[: q.size] + q) // 2)
+    return StepBatch.make(context, step.query_rows, step.owners, step.sampling_rows, step.prefill_done)
