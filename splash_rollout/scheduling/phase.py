@@ -5,9 +5,11 @@ horizon. What one step admits is a snapshot: a batch at its request limit admits
 it has free slots this step -- five at one decision, one at the next -- and a layout with a large
 fixed cost per prefill step looks fast on the first and slow on the second. Over a phase the queue
 enters as the batch finishes: the free slots' prompts now, then one per finishing request, spread
-over the horizon. This file owns that split (``PhasePrefill``), the queue one phase step admits from
-(``PhasePrefill.next_arrivals``), and the step shapes of layouts that prefill on owners
-(``owner_capped``, ``owner_pieces``) or over a long prompt's growing context (``mid_prefill``).
+over the horizon, in runs of short prompts (one step's budget holds them) and long ones (prefilled
+in full-budget chunks). This file owns that split (``PhasePrefill``), the runs and the queue one
+phase step admits each from (``PhasePrefill.arrival_runs``), and the step shapes of layouts that
+prefill on owners (``owner_capped``, ``owner_pieces``) or over a long prompt's growing context
+(``mid_prefill``).
 
 Rows are query rows (tokens a step computes); counts are requests.
 """
@@ -69,20 +71,16 @@ class PhasePrefill:
 
     def next_arrivals(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int,
                       horizon: float) -> Arrivals | None:
-        """The later prompts that arrive next. ``prompt``, ``reserved``: [W] the queue, FIFO;
-        ``token_budget``: query rows one step may run; ``running``: decode rows beside them.
-        The later prompts split, in FIFO order, into runs of one kind, and only the first run is
-        this phase's:
+        """The first run of the later prompts. ``prompt``, ``reserved``: [W] the queue, FIFO;
+        ``token_budget``: query rows one step may run; ``running``: decode rows beside them. The
+        later prompts split, in FIFO order, into runs of one kind:
 
         * prompts that fit one step's budget arrive one per finish, so a step carries what arrived
           since the previous one: the run's rows over min(horizon, its count) -- at least one
           prompt's worth on average, more only when more than one finishes per step;
         * a prompt longer than that budget is prefilled in full-budget chunks however it arrives.
 
-        A run of the other kind behind the first is a phase of its own: the policy is consulted
-        again before it reaches the head, and averaging it into this phase's price would choose a
-        layout that suits neither (short prompts prefilled at a long prompt's layout, or the
-        reverse). None when nothing enters later."""
+        None when nothing enters later."""
         if not self.later_requests:
             return None
         head = slice(self.now_requests, self.now_requests + self.later_requests)
@@ -99,6 +97,19 @@ class PhasePrefill:
             per_step = math.ceil(rows / max(1.0, min(max(horizon, 1.0), float(n))))
             budget = running + min(room, per_step)
         return Arrivals(prompt[:n], reserved[:n], budget, rows, bool(long[0]), n < prompt.size)
+
+    def arrival_runs(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int,
+                     horizon: float) -> list[Arrivals]:
+        """Every run of the later prompts in FIFO order (``next_arrivals`` over what is left)."""
+        runs, rest = [], self
+        while (run := rest.next_arrivals(prompt, reserved, token_budget, running, horizon)) is not None:
+            runs.append(run)
+            if not run.more:
+                break
+            left = rest.later_requests - run.prompt.size
+            rest = PhasePrefill(rest.now_rows, rest.now_requests + run.prompt.size,
+                                max(rest.later_rows - run.rows, 1) if left else 0, left)
+        return runs
 
 
 def owner_capped(step: StepBatch, cap: int) -> tuple[StepBatch, np.ndarray]:

@@ -353,10 +353,15 @@ class LayoutPolicy:
           run with the queue's head admitted up to the token budget as if its pool had room
           (``hold``, ``waiting``: as ``decide`` gets them; what this step's pool admits is a
           snapshot);
-        * the prompts that enter later arrive as ``PhasePrefill.next_arrivals`` says: short ones
+        * the prompts that enter later arrive in runs (``PhasePrefill.arrival_runs``): short ones
           one per finishing request, a step carrying what arrived since the last one, so each
           layout pays its per-prefill-step cost on the steps they trickle in; long ones in
-          full-budget chunks;
+          full-budget chunks. The first run is priced in the layout itself. A run behind it may be
+          left to the layout that runs it fastest among those that can take the batch back -- a
+          pool that holds at least as much over the group as this layout's, which its admission
+          fills -- since the policy is consulted again before the run reaches the head and a
+          switch costs milliseconds. A layout with the largest pool cannot hand a run it prefills
+          slowly to anyone (DOP's larger pool admits the batch CP then cannot hold);
         * the steps of the horizon left after the prefill steps run the batch decoding, one row per
           request (at the current context). A layout whose prefill outlasts the horizon pays for
           all of it: the work is the same for every layout, the time is its own.
@@ -368,9 +373,10 @@ class LayoutPolicy:
         phase = prefill if isinstance(prefill, PhasePrefill) else PhasePrefill(int(prefill))
         decode = StepBatch.make(np.maximum(batch.context, 1), np.ones(batch.size, dtype=np.int64), batch.owners)
         hold = batch.context if hold is None else hold
-        later = None if waiting is None else phase.next_arrivals(waiting.prompt, waiting.reserved,
-                                                                  waiting.token_budget, batch.size, horizon)
-        out = {}
+        runs = [] if waiting is None else phase.arrival_runs(waiting.prompt, waiting.reserved, waiting.token_budget,
+                                                             batch.size, horizon)
+        out, parts, dec_s = {}, {}, {}
+        rows = phase.now_rows + sum(r.rows for r in runs)
         for l, (cost, step, _) in priced.items():
             if not cost.feasible or batch.size == 0:
                 out[l] = cost.seconds / max(1, step.rows)
@@ -386,9 +392,9 @@ class LayoutPolicy:
             if step is not priced[l][1]:
                 cost = self._price(l, step)
             pre_rows = int(step.query_rows[step.query_rows > 1].sum())
-            n_pre = math.ceil(phase.now_rows / pre_rows) if pre_rows and phase.now_rows else 0
-            seconds, rows = n_pre * cost.seconds, (phase.now_rows if n_pre else 0)
-            if later is not None:
+            n_now = math.ceil(phase.now_rows / pre_rows) if pre_rows and phase.now_rows else 0
+            parts[l] = [(n_now, n_now * cost.seconds)]  # (steps, seconds) of the now rows, then of each run
+            for later in runs:
                 prompt, reserved = later.prompt, later.reserved
                 if cap and not later.long:
                     prompt, reserved = owner_pieces(prompt, reserved, cap)
@@ -396,14 +402,22 @@ class LayoutPolicy:
                 arrive, _, _ = admit(l, decode, decode.context, queue, 1 << 62, d.world_size, d.page_size)
                 arrive = prefill_step(arrive, decode.size, prompt, cap)
                 a_rows = int(arrive.query_rows[arrive.query_rows > 1].sum())
-                if a_rows:
-                    n_later = math.ceil(later.rows / a_rows)
-                    seconds += n_later * self._price(l, arrive).seconds
-                    n_pre, rows = n_pre + n_later, rows + later.rows
-            n_dec = max(horizon - n_pre, 0.0)
-            if n_dec:
-                seconds += n_dec * self._price(l, decode).seconds
-            out[l] = seconds / (rows + max(horizon, 1.0) * batch.size)
+                n = math.ceil(later.rows / a_rows) if a_rows else math.inf
+                parts[l].append((n, n * self._price(l, arrive).seconds))
+            dec_s[l] = self._price(l, decode).seconds
+        capacity = {l: d.pools.get(l, 0) * (1 if l.ownership is Ownership.EVERY else d.world_size)
+                    for l in parts}
+        for l, own in parts.items():
+            # a run behind the first may go to a layout that can take the batch back from this one:
+            # its pool holds at least as much as this one's, which this one's admission fills
+            handover = [m for m in parts if capacity[m] >= capacity[l]]
+            plan = own[:2] + [min((parts[m][k] for m in handover), key=lambda p: p[1]) for k in range(2, len(own))]
+            steps, seconds = sum(p[0] for p in plan), sum(p[1] for p in plan)
+            if not math.isfinite(seconds):
+                out[l] = math.inf
+                continue
+            n_dec = max(horizon - steps, 0.0)
+            out[l] = (seconds + (n_dec * dec_s[l] if n_dec else 0.0)) / (rows + max(horizon, 1.0) * batch.size)
         return out
 
     def decide(self, current: Layout | None, batch: StepBatch, remaining_tokens, steps_in_layout: int = 0,

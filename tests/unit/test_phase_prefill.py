@@ -97,7 +97,7 @@ def test_phase_price_is_now_steps_then_arrival_steps_then_decode(dep):
         assert got[layout] == pytest.approx(seconds / work, rel=1e-12), layout
 
 
-def test_a_run_of_long_prompts_behind_the_short_ones_is_left_to_its_own_phase(dep):
+def test_a_run_behind_the_first_goes_to_a_layout_that_can_take_the_batch_back(dep):
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
     t = dep.world_size
     batch = StepBatch.make([3000] * 64, 1, np.arange(64) % t)
@@ -105,18 +105,34 @@ def test_a_run_of_long_prompts_behind_the_short_ones_is_left_to_its_own_phase(de
     # no slot free; four short prompts then a long one enter as requests finish
     waiting = Waiting.make([2048] * 4 + [300_000], [4096] * 4 + [301_000], 64 + 16_384, 64)
     phase = PhasePrefill(now_rows=0, now_requests=0, later_rows=4 * 2048 + 300_000, later_requests=5)
-    horizon = 100.0
+    horizon = 200.0
     priced = policy.admitted_costs(batch, hold, waiting)
     got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
     decode = StepBatch.make(batch.context, 1, batch.owners)
+    ones = np.ones(64, dtype=np.int64)
+
+    def price(layout, s):
+        return step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds
+
+    def long_run(layout):  # (steps, seconds): the 300,000-row prompt on owner 0, at the mid-prefill context
+        chunk = 2056 if layout in (Layout.DP, Layout.DOP) else 16_384  # an owner's share, or the budget
+        step = StepBatch.make(np.append(batch.context, (300_000 + chunk) // 2), np.append(ones, chunk),
+                              np.append(batch.owners, 0))
+        n = -(-300_000 // chunk)
+        return n, n * price(layout, step)
+
+    # what each layout's pool holds over the group: DOP's holds the most, TP's the least
+    capacity = {l: dep.pools[l] * (1 if l is Layout.TP else t) for l in Layout}
+    assert capacity[Layout.DOP] > capacity[Layout.CP] == capacity[Layout.DP] > capacity[Layout.TP]
     for layout, (cost, _, _) in priced.items():
-        if not cost.feasible:
-            continue
-        later = Waiting.make([2048] * 4, [4096] * 4, 64 + 2048, 64 + 4)
-        arrive, _, _ = admit(layout, decode, decode.context, later, 1 << 62, t, dep.page_size)
-        price = lambda s: step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds  # noqa: E731
-        # four arrival steps, then the batch decodes; the long prompt is not this phase's work
-        want = (4 * price(arrive) + (horizon - 4) * price(decode)) / (4 * 2048 + horizon * 64)
+        # the short prompts arrive one a step, four steps, in this layout
+        arrive = StepBatch.make(np.append(batch.context, 2048), np.append(ones, 2048), np.append(batch.owners, 0))
+        # the long one in the layout, of those whose pools hold at least this one's, that runs it fastest
+        n_long, s_long = min((long_run(m) for m in Layout if capacity[m] >= capacity[layout]), key=lambda p: p[1])
+        if layout is Layout.DOP:
+            assert n_long == 146  # nothing else holds what DOP's pool admits: its own slow prefill
+        seconds = 4 * price(layout, arrive) + s_long + (horizon - 4 - n_long) * price(layout, decode)
+        want = seconds / (4 * 2048 + 300_000 + horizon * 64)
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
 
 
