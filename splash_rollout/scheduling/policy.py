@@ -65,11 +65,12 @@ class PolicyConfig:
     """Charge a switch twice -- there and, if the load turns back, back again -- so a lead that
     only pays one way (a load that oscillates around a crossover) does not switch."""
     price_phase: bool = False
-    """Compare layouts over the phase ahead instead of one step: the steps that still prefill (the
-    pending prompt rows over the rows each layout's prefill step takes) at that step's cost, the
-    rest of the horizon at the cost of the batch decoding. One step's shape flips between a prefill
-    chunk and pure decode as requests finish and are admitted, and the layout that wins a chunk
-    step (CP, on a long chunk) is not the one that wins the phase when decode steps dominate it."""
+    """Compare layouts over the phase ahead instead of one step: the same prompt rows and horizon
+    decode rows for every layout, the prompts that start now at its full-budget prefill step, the
+    ones that enter as the batch finishes at the steps they trickle into (scheduling/phase.py),
+    the rest of the horizon at the cost of the batch decoding. One step's shape flips between a
+    prefill chunk and pure decode as requests finish and are admitted, and the layout that wins a
+    chunk step (CP, on a long chunk) is not the one that wins the phase when decode steps dominate it."""
     decide_every_steps: int = 32
     """An engine consults the policy at events (admissions, finished requests, a deferred switch,
     the running batch moving by ``decide_batch_fraction``) and at least every this many steps."""
