@@ -8,24 +8,20 @@ from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.scheduling.profile import load_profile
 
 
-def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
-    out = tmp_path / "profile.yaml"
-    assert main(["--world-size", "2", "--out", str(out), "--no-engine-fit"]) == 0
-    profile = load_profile(str(out))
-    assert profile.world_size == 2 and profile.matmul_flops > 1e8 and profile.weight_read_Bps > 1e8
-    for cost in (profile.all_gather, profile.all_to_all, profile.all_reduce):
-        assert cost.latency_s > 0 and cost.bandwidth_Bps > 0
-    assert main(["--world-size", "0"]) == 2 and "--world-size" in capsys.readouterr().err
-
-
 @pytest.mark.slow
-def test_calibrate_quick_measures_the_engine_grid_and_fits_it(tmp_path):
-    """``--quick``: microbenchmarks, the small engine grid on every layout, the fit, a profile."""
+def test_calibrate_quick_measures_the_group_and_the_engine_grid_and_fits_them(tmp_path, capsys):
+    """``--quick``: microbenchmarks, the small engine grid on every layout, the fit, a profile the
+    scheduler loads (one run: the microbenchmarks are the fit's starting point); bad input refused."""
+    assert main(["--world-size", "0"]) == 2 and "--world-size" in capsys.readouterr().err
     out, points = tmp_path / "p.yaml", tmp_path / "points.json"
     assert main(["--world-size", "2", "--quick", "--out", str(out), "--points-json", str(points)]) == 0
     profile = load_profile(str(out))
     assert profile.world_size == 2 and profile.engine == "torch_ref" and profile.request_step_s > 0
+    assert profile.matmul_flops > 1e8 and profile.weight_read_Bps > 1e8
     report = json.loads(points.read_text())
+    micro = report["microbenchmarks"]  # what the group measured before the fit moved anything
+    for name in ("all_gather", "all_to_all", "all_reduce"):
+        assert micro[name]["latency_s"] > 0 and micro[name]["bandwidth_Bps"] > 0
     grid = {(p["layout"], p["batch"], p["context"]) for p in report["points"]}
     assert grid == {(layout.value, b, s) for layout in ALL_LAYOUTS for b in QUICK_BATCHES for s in QUICK_CONTEXTS}
     assert 0 <= report["fit"]["median_abs_error"] < 1.0

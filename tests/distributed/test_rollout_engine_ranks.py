@@ -128,9 +128,11 @@ def test_auto_layout_follows_a_draining_batch_and_records_why():
               + [SamplingParams(temperature=0, max_new_tokens=160, ignore_eos=True)] * 2)
     with RolloutEngine(EngineConfig(model="glm5-nano", page_size=16, max_num_batched_tokens=512)) as one:
         want = [s.response_ids for s in one.generate(prompts, params).samples]
-    # worst-case admission: the pools' capacity is what each layout reserves, the regime this pins down
+    # worst-case admission: the pools' capacity is what each layout reserves, the regime this pins
+    # down; θ as the profile gives it (a corrected θ follows this machine's load)
     cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile="cpu", page_size=16,
-                       max_num_batched_tokens=512, memory_budget_gib=2.5 / 1024, admission="worst_case")
+                       max_num_batched_tokens=512, memory_budget_gib=2.5 / 1024, admission="worst_case",
+                       online_correction=False)
     with RolloutEngine(cfg) as engine:
         batch = engine.generate(prompts, params)
     assert [s.response_ids for s in batch.samples] == want
