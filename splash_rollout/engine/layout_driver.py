@@ -49,6 +49,8 @@ class LayoutDriver:
         """Policy consultations so far (each an event)."""
         self._switched = False
         """The next observed step is a switching step (its transfers are not a step of the layout)."""
+        self._observable = 0
+        """Steps of the current layout the correction could learn from (switching steps excluded)."""
         self._peak_priced = 0
         """The largest batch the policy priced since the last decision the timeline kept."""
         self._policy_s = 0.0
@@ -79,8 +81,9 @@ class LayoutDriver:
         switched, self._switched = self._switched, False
         if self.policy is None or switched:
             return
-        if (self.steps_in_layout - 1) % self.policy.config.observe_every_steps:
-            return  # a sample of the layout's steps: its first after the switch, then one in K
+        self._observable += 1
+        if (self._observable - 1) % self.policy.config.observe_every_steps:
+            return  # a sample of the layout's steps: its first one that did not switch, then one in K
         t0 = time.perf_counter()
         measured = record["seconds"] - self._boundary_s  # the step, less the policy's time inside it
         signature = (record["requests"], record["rows"], record["prefill_rows"])
@@ -118,7 +121,7 @@ class LayoutDriver:
     def switched(self) -> None:
         self.pending = None
         self._switched = True
-        self.steps_in_layout = 0
+        self.steps_in_layout = self._observable = 0
 
     # ---- what the policy is shown ----------------------------------------------------------------
     @staticmethod

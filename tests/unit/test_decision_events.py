@@ -142,6 +142,10 @@ def test_a_deferred_switch_is_decided_again_and_logged_once():
     assert [d["chosen"] for d in driver.decision_log] == ["tp"] and driver.pending == (Layout.TP, False)
     _drive(driver, sched, Layout.DP, 1)  # decided once more, and this time the engine moves
     assert driver.pending is None and driver.steps_in_layout == 1
+    # the switching step is not the layout's; the next one is the first the correction sees
+    seen = policy.observed
+    _drive(driver, sched, Layout.TP, 1)
+    assert policy.observed == seen + 1
 
 
 def test_steps_in_layout_counts_steps_and_restarts_at_a_switch():
