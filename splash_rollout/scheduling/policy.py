@@ -451,13 +451,12 @@ class LayoutPolicy:
             spt = {l: c.seconds / rows[l] for l, c in costs.items()}
         eff = {l: spt[l] * ref_rows if costs[l].feasible else math.inf for l in costs}
         secs = {l.value: c.seconds for l, c in costs.items()}
+        factors = self.correction.factors() if self.correction is not None else None
         extra = {"admitted": {l.value: a for l, (_, _, a) in priced.items()},
                  "seconds_per_token": {l.value: spt[l] if costs[l].feasible else math.inf for l in costs},
-                 "prior_step_costs": prior,
-                 "correction": self.correction.factors().to_dict() if self.correction is not None else {}}
+                 "prior_step_costs": prior, "correction": factors.to_dict() if factors is not None else {}}
         # a layout is judged at its corrected price times its doubt (online.Factors.uncertainty):
         # one that has not run must lead by more before the policy moves into it
-        factors = self.correction.factors() if self.correction is not None else None
         doubt = {l: (0.0 if factors is None or l is current else factors.uncertainty(l.value)) for l in costs}
         order = sorted((eff[l] * math.exp(doubt[l]), i, l) for i, l in enumerate(costs) if costs[l].feasible)
         if not order:
