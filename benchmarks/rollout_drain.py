@@ -144,6 +144,8 @@ def run_engine(layout: str, work: dict, args, backend: str = "torch") -> dict:
         "policy_share_of_wall": out.metrics.get("timing_s/policy", 0.0) / wall,
         "policy_consults": max((d.get("consults", 0) for d in tl.decisions), default=0),
         "correction": tl.decisions[-1].get("correction") if tl.decisions else None,
+        "decision_path": [{"step": d["step"], "event": d.get("event"), "chosen": d["chosen"], "logged": d.get("logged"),
+                           "reason": d["reason"]} for d in tl.decisions],
     }
 
 

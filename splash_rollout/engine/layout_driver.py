@@ -50,7 +50,8 @@ class LayoutDriver:
         self._switched = False
         """The next observed step is a switching step (its transfers are not a step of the layout)."""
         self._observable = 0
-        """Steps of the current layout the correction could learn from (switching steps excluded)."""
+        """Steps of the current stay the correction could learn from (switching steps excluded); the
+        first ``dwell_evidence_steps`` of them are all fed to it."""
         self._peak_priced = 0
         """The largest batch the policy priced since the last decision the timeline kept."""
         self._policy_s = 0.0
@@ -82,13 +83,17 @@ class LayoutDriver:
         if self.policy is None or switched:
             return
         self._observable += 1
-        if (self._observable - 1) % self.policy.config.observe_every_steps:
-            return  # a sample of the layout's steps: its first one that did not switch, then one in K
+        cfg = self.policy.config
+        evidence = cfg.dwell_evidence_steps
+        if self._observable > evidence and (self._observable - 1) % cfg.observe_every_steps:
+            return  # a sample of the layout's steps: the first few that did not switch, then one in K
         t0 = time.perf_counter()
         measured = record["seconds"] - self._boundary_s  # the step, less the policy's time inside it
         signature = (record["requests"], record["rows"], record["prefill_rows"])
         self.policy.observe_step(Layout.parse(record["layout"]), lambda: _executed_batch(scheduled), measured,
                                  signature)
+        if self._observable == evidence and self.steps_in_layout < cfg.min_dwell_steps:
+            self.events.ask("measured")  # the stay's evidence is complete: it may end the dwell
         self._policy_s += time.perf_counter() - t0
 
     def take_policy_s(self) -> float:
@@ -183,8 +188,10 @@ class LayoutDriver:
         waiting = Waiting.make([r.num_uncomputed_tokens for r in queued], self._hold(scheduler, queued),
                                scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         first = not self.decision_log
+        measured = min(self._observable, self.policy.config.dwell_evidence_steps)  # all fed, up to there
         decision = self.policy.decide(None if first else layout, batch, self._remaining(running + queued),
-                                      self.steps_in_layout, self._hold(scheduler, running), waiting)
+                                      self.steps_in_layout, self._hold(scheduler, running), waiting,
+                                      measured_steps=measured)
         # the timeline keeps the first call, every switch, and a checkpoint each time the batch the
         # policy priced has fallen to half its peak since the last kept one (a call's first decision
         # sees the queue's first admissions, not the batch they grow into): a draining group shows,

@@ -11,7 +11,11 @@ Rules, in order:
    estimate is an admission bound, and a batch whose real KV later outgrows the pool is what
    retraction (``relieve_pressure``) answers; an estimate that outgrows the pool while the real
    KV fits must not force a switch;
-3. stay at least ``min_dwell_steps`` steps in a layout (hysteresis against oscillating loads);
+3. stay at least ``min_dwell_steps`` steps in a layout (hysteresis against oscillating loads) --
+   unless the stay has been measured and leaving pays many times over: once the online correction
+   has ``dwell_evidence_steps`` steps of this stay, a candidate whose saving over the horizon is
+   more than ``dwell_break_factor`` x the round-trip switch cost ends the dwell (the dwell bounds
+   switches whose saving is small next to their cost; one that pays many times over is no thrash);
 4. switch only if the candidate is faster by ``rel_margin`` and
    ``lead × horizon > overlapped switch cost + abs_margin_s``, where the horizon is a quantile of the
    running requests' decode steps left: the caller's estimate (the engine passes the median residual
@@ -57,6 +61,13 @@ class PolicyConfig:
     """Predicted saving over the horizon must exceed the switch cost by this many seconds."""
     min_dwell_steps: int = 16
     """Steps to stay in a layout after entering it."""
+    dwell_evidence_steps: int = 3
+    """Steps of a stay the online correction must have measured before the dwell may end early
+    (the prices of the layout it is in are measured ones, no longer θ's promise); an engine feeds
+    the correction every one of a stay's first this many steps. 0: the dwell always holds."""
+    dwell_break_factor: float = 10.0
+    """A measured stay's dwell ends early for a candidate saving more than this many times the
+    round-trip switch cost (plus ``abs_margin_s``) over the horizon."""
     horizon_quantile: float = 0.5
     """Quantile of the running requests' expected remaining tokens used as the horizon (steps)."""
     layouts: tuple[Layout, ...] = ALL_LAYOUTS
@@ -77,12 +88,17 @@ class PolicyConfig:
     decide_batch_fraction: float = 0.25
     """Relative change of the running batch since the last decision that makes a new one due."""
     observe_every_steps: int = 4
-    """An engine hands the online correction one step in this many (and the first of every layout):
+    """An engine hands the online correction one step in this many (and the first
+    ``dwell_evidence_steps`` of every stay in a layout):
     a drain's steps repeat their shape, and pricing each one costs rank 0 as much as a decision."""
 
     def __post_init__(self) -> None:
         if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:
             raise ValueError("policy: margins and min_dwell_steps must be non-negative")
+        if not self.dwell_break_factor >= 1.0:
+            raise ValueError(f"dwell_break_factor: expected a number >= 1, got {self.dwell_break_factor}")
+        if self.dwell_evidence_steps < 0:
+            raise ValueError(f"dwell_evidence_steps: expected a non-negative integer, got {self.dwell_evidence_steps}")
         if self.observe_every_steps < 1:
             raise ValueError(f"observe_every_steps: expected a positive integer, got {self.observe_every_steps}")
         if self.decide_every_steps < 1:
@@ -422,9 +438,11 @@ class LayoutPolicy:
         return out
 
     def decide(self, current: Layout | None, batch: StepBatch, remaining_tokens, steps_in_layout: int = 0,
-               reserved=None, waiting: Waiting | None = None, prefill_left: int | PhasePrefill | None = None
-               ) -> Decision:
+               reserved=None, waiting: Waiting | None = None, prefill_left: int | PhasePrefill | None = None,
+               measured_steps: int = 0) -> Decision:
         """Next layout for ``batch``. ``remaining_tokens``: [B] max_new_tokens left per request;
+        ``steps_in_layout``: steps run since entering ``current``, ``measured_steps`` of which the
+        correction was fed (rule 3's dwell and its evidence);
         ``reserved``: [B] tokens each request may reach (prompt + max_new_tokens) for the fit check;
         ``waiting``: the queue behind the batch (each layout is priced on what its pool admits);
         ``prefill_left``: prompt rows the running batch and the queue still have to prefill (with
@@ -473,10 +491,14 @@ class LayoutPolicy:
             cheaper = [l.value for l in feasible if eff[l] < cur_eff]  # at their prices, before doubt
             why = f"current is fastest after doubt about {', '.join(cheaper)}" if cheaper else "current is fastest"
             return Decision(current, current, False, why, secs, horizon_steps=horizon, **extra)
+        reasons, pays = [], 1.0  # pays: how many round-trip switch costs a switch's saving must cover
         if cur_ok and steps_in_layout < cfg.min_dwell_steps:
-            return Decision(current, current, False, f"dwell {steps_in_layout}/{cfg.min_dwell_steps} steps", secs,
-                            horizon_steps=horizon, **extra)
-        reasons = []
+            dwell = f"dwell {steps_in_layout}/{cfg.min_dwell_steps} steps"
+            if not (self.correction is not None and cfg.dwell_evidence_steps
+                    and measured_steps >= cfg.dwell_evidence_steps):
+                return Decision(current, current, False, dwell, secs, horizon_steps=horizon, **extra)
+            pays = cfg.dwell_break_factor
+            reasons.append(f"{dwell}, {measured_steps} measured: a switch must pay {pays:g}x its cost")
         for seconds, _, cand in order:
             if cand is current:
                 break
@@ -494,16 +516,17 @@ class LayoutPolicy:
                 break
             gain = lead * horizon
             price = sc.overlapped_s * (2.0 if cfg.round_trip else 1.0)
-            if gain <= price + cfg.abs_margin_s:
-                reasons.append(f"{cand.value} saves {gain * 1e3:.2f} ms over {horizon:.0f} steps <= switch "
-                               f"{price * 1e3:.2f} ms (round trip) + margin")
+            if gain <= pays * (price + cfg.abs_margin_s):
+                times = f"{pays:g} x " if pays != 1.0 else ""
+                reasons.append(f"{cand.value} saves {gain * 1e3:.2f} ms over {horizon:.0f} steps <= {times}(switch "
+                               f"{price * 1e3:.2f} ms (round trip) + margin)")
                 continue
             why = f"{cand.value} saves {gain * 1e3:.1f} ms over {horizon:.0f} steps > switch {sc.overlapped_s * 1e3:.2f} ms"
             if priced[cand][2] != priced[current][2]:
                 why += f" (admits {priced[cand][2]} queued vs {priced[current][2]})"
             why = "; ".join(reasons + [why])  # and why faster layouts were passed over
             return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
-        keep_reason = "; ".join(reasons) or "no better layout"
+        keep_reason = "; ".join(reasons) or "no better layout"  # a dwell that did not end leads them
         return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon, **extra)
 
     def relieve_pressure(self, current: Layout, batch: StepBatch, remaining_tokens, hold, short_pages,

@@ -23,6 +23,8 @@ def test_events_in_order_of_what_changed():
     ev.finished(1)
     assert ev.due(1, 8, 4) == "finished"  # two finished (and two admitted in their place)
     assert ev.due(1, 8, 4, deferred=True) == "deferred"
+    ev.ask("measured")
+    assert ev.due(1, 8, 4) == "measured" and ev.due(1, 8, 4, deferred=True) == "deferred"
     ev.decided(1, 8, 4)
     assert ev.due(10, 8, 4) is None and ev.due(11, 8, 4) == "every"
     ev.reset()
@@ -111,11 +113,13 @@ def test_the_driver_consults_only_at_events():
     sched = _scheduler(_req(i) for i in range(8))
     driver = LayoutDriver(policy)
     consulted, _ = _drive(driver, sched, Layout.DP, 40, finish_at=(11, 12))
-    # the call's first boundary, every 8 steps, and the boundary after a quarter of the batch
-    # finished (two of 8, at steps 11 and 12; one alone is no event)
-    assert consulted == [0, 8, 13, 21, 29, 37], consulted
-    # the correction is fed the layout's first step and one in observe_every_steps (4) after it
-    assert len(policy.calls) == len(consulted) and policy.observed == 10
+    # the call's first boundary; the one after the stay's third measured step (its evidence may
+    # end the dwell); every 8 steps; and the boundary after a quarter of the batch finished (two
+    # of 8, at steps 11 and 12; one alone is no event)
+    assert consulted == [0, 3, 11, 13, 21, 29, 37], consulted
+    # the correction is fed the stay's first dwell_evidence_steps (3) steps and one in
+    # observe_every_steps (4) after them: steps 1, 2, 3, 5, 9, ..., 37
+    assert len(policy.calls) == len(consulted) and policy.observed == 12
     # admissions: the queue shrinking by a quarter of the batch (2 of 6) makes the next boundary an event
     sched.waiting = [_req(100 + i, ctx=0) for i in range(3)]
     driver.new_call()

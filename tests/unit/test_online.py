@@ -201,3 +201,43 @@ def test_a_layout_never_run_must_lead_by_more_than_its_doubt():
     assert trusting.decide(Layout.TP, batch, [100], 100).chosen is Layout.DP
     d = doubting.decide(Layout.TP, batch, [100], 100)
     assert d.chosen is Layout.TP and not d.switch and "doubt" in d.reason, d.reason
+
+
+def test_a_measured_stay_ends_its_dwell_for_a_switch_that_pays_many_times_over():
+    """θ's fastest layout X entered 4 steps ago (dwell 16), its 3 measured steps at 3x θ's price
+    beside a runner-up Y measured at θ's price: Y's saving over the horizon is far above 10x the
+    round-trip switch, so the dwell ends. Two measured steps, no correction, or a factor no saving
+    reaches keep the dwell."""
+    import dataclasses
+
+    import torch
+
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.rollout.config import EngineConfig
+    from splash_rollout.rollout.ranks import make_policy
+
+    def policy(correction=True):
+        return make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto", online_correction=correction),
+                           resolve_model("glm5-nano"), 2, 2**28, torch.float32)
+
+    batch, left = StepBatch.make([300] * 8, 1, np.arange(8) % 2), np.full(8, 200)
+    theta = policy(False).decide(Layout.DP, batch, left, 100).step_costs
+    fast, runner_up, *_ = sorted(theta, key=theta.get)
+    X, Y = Layout(fast), Layout(runner_up)
+    pol = policy()
+    for _ in range(16):
+        pol.observe_step(Y, batch, theta[runner_up])
+    for _ in range(3):
+        pol.observe_step(X, batch, 3.0 * theta[fast])
+    d = pol.decide(X, batch, left, 4, measured_steps=3)
+    assert d.switch and d.chosen is Y, d.reason
+    assert d.reason.startswith("dwell 4/16 steps, 3 measured: a switch must pay 10x its cost"), d.reason
+    held = pol.decide(X, batch, left, 4, measured_steps=2)
+    assert not held.switch and held.reason == "dwell 4/16 steps", held.reason
+    strict = LayoutPolicy(pol.dep, dataclasses.replace(pol.config, dwell_break_factor=1e12), pol.correction)
+    d = strict.decide(X, batch, left, 4, measured_steps=3)
+    assert not d.switch and d.chosen is X and "<= 1e+12 x (switch" in d.reason, d.reason
+    # without a correction nothing is measured: in Y, θ's faster X waits for the dwell
+    assert theta[fast] < 0.95 * theta[runner_up]
+    off = policy(False).decide(Y, batch, left, 4, measured_steps=3)
+    assert off.chosen is Y and not off.switch and off.reason == "dwell 4/16 steps", off.reason
