@@ -45,6 +45,20 @@ def waiting_requests(serving, pt: paper.Point, layout: Layout) -> float:
     return float(max(pt.batch - prefill_capacity(serving, layout, pt.input_tokens), 0))
 
 
+def queued_request_steps(serving, pt: paper.Point, layout: Layout) -> float:
+    """Requests waiting in the busiest scheduler's queue, summed over the prefill steps: TP / CP run
+    one scheduler over the whole batch (FCFS, ``chunk_tokens`` rows a step), DP-attention / DOP one
+    per owner holding its round-robin share (``chunk_tokens / T`` rows a step); a prompt leaves the
+    queue on the step its prefill starts."""
+    dep = serving.prefill
+    t, chunk = dep.world_size, dep.chunk_tokens(layout, 16384)
+    n, budget = (-(-pt.batch // t), max(chunk // t, 1)) if layout in (Layout.DP, Layout.DOP) else (pt.batch, chunk)
+    if pt.input_tokens >= budget:
+        return float(-(-pt.input_tokens // budget) * n * (n - 1) // 2)
+    per_step = budget // pt.input_tokens
+    return float(sum(max(n - per_step * (s + 1), 0) for s in range(-(-n // per_step))))
+
+
 PREVIOUS_PER_LAYOUT = ("attention", "comm", "steps", "requests", "tokens")
 """The per-layout terms of the model shipped before the per-layout batch constant."""
 
@@ -55,9 +69,11 @@ class Variant:
 
     def __init__(self, name: str, per_layout: Sequence[str] = paper.PER_LAYOUT_DEFAULT,
                  terms: Sequence[str] = paper.FITTED_DEFAULT, extra: Callable | None = None,
-                 extra_per_layout: bool = False, senders: bool = True, robust: bool = False, note: str = ""):
+                 extra_per_layout: bool = False, senders: bool = True, robust: bool = False,
+                 prior_weight: float = paper.SCALE_PRIOR, note: str = ""):
         self.name, self.per_layout, self.terms, self.extra = name, tuple(per_layout), tuple(terms), extra
         self.extra_per_layout, self.senders, self.robust, self.note = extra_per_layout, senders, robust, note
+        self.prior_weight = prior_weight
 
     def design(self, serving, pts: Sequence[paper.Point], table: np.ndarray) -> tuple[np.ndarray, list[str]]:
         """[P, 4, C] design matrix and its C column names."""
@@ -77,7 +93,8 @@ class Variant:
         return np.concatenate([d, e[..., None]], axis=-1), cols + ["extra"]
 
 
-def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], robust: bool) -> np.ndarray:
+def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], robust: bool,
+                prior_weight: float = paper.SCALE_PRIOR) -> np.ndarray:
     """[C] constants: NNLS on relative error of T_batch, the stage scales pulled toward 1 as in paper.fit."""
     measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in paper.LAYOUT_NAMES] for pt in pts])
     a = (d / measured_s[:, :, None]).reshape(-1, len(cols))
@@ -86,7 +103,7 @@ def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], 
     free = [k for k in range(len(cols)) if k != fixed]
     size = np.maximum(np.abs(a[:, free]).max(axis=0), 1e-300)
     rows, rhs = [a[:, free] / size], [b]
-    weight = paper.SCALE_PRIOR * math.sqrt(len(b))
+    weight = prior_weight * math.sqrt(len(b))
     for j, k in enumerate(free):
         if cols[k].partition("/")[0] in paper.PRIOR:
             r = np.zeros((1, len(free)))
@@ -130,7 +147,7 @@ def run(platform: str, variants: Sequence[Variant]) -> dict:
             (ptr, ttr), (pte, tte) = data[tuple(train)], data[tuple(test)]
             dtr, cols = v.design(base, ptr, ttr)
             dte, _ = v.design(base, pte, tte)
-            coef = fit_columns(dtr, cols, ptr, v.robust)
+            coef = fit_columns(dtr, cols, ptr, v.robust, v.prior_weight)
             pred = np.array([pt.tokens for pt in pte], dtype=np.float64)[:, None] / (dte @ coef) / 1e3
             halves.append({"train": "+".join(train), **summary(pred, pte),
                            "constants": {c: float(x) for c, x in zip(cols, coef) if x}})
@@ -165,6 +182,16 @@ VARIANTS = (
     Variant("cp_senders", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS,
             note="previous with CP's KV sent by 8 ranks"),
     Variant("default+pool_wait", extra=POOL_WAIT, note="the shipped model + the shared pool-wait column"),
+    Variant("default+queue_scan", extra=queued_request_steps,
+            note="the shipped model + one shared cost per queued request per prefill step (each scheduler walks "
+            "its waiting queue every step; TP / CP hold the whole batch in one queue, an owner its share)"),
+    Variant("default+layout_transfer", per_layout=(*paper.PER_LAYOUT_DEFAULT, "transfer_bytes"),
+            note="the shipped model with one transfer rate per layout (each layout's senders reach their own "
+            "rate: one NIC for TP and the owners, CP's 8 slices through the same switch to the same receiver)"),
+    Variant("default_prior_0", prior_weight=0.0, note="the shipped model without the prior on the stage scales "
+            "(0.01 gives the same row)"),
+    Variant("default_prior_0.2", prior_weight=0.2, note="the shipped model with a 4x stronger prior (1.0 gives the "
+            "same row)"),
     Variant("default+request_cost", per_layout=(*paper.PER_LAYOUT_DEFAULT, "requests"), terms=WITH_REQUESTS,
             note="the shipped model keeping the per-layout per-request constants"),
 )
