@@ -16,12 +16,15 @@ allocations through ``workspace_bytes``); the fitted presets in ``presets/*.yaml
 ``python -m splash_rollout.sim fit`` wrote from it.
 
 Serving YAML: ``{model, profile: <HardwareProfile fields>, decode: {world_size} | null,
-kv_transfer_Bps, decode_scale, batch_overhead_s}``.
+kv_transfer_Bps, decode_scale, batch_overhead_s: {tp, cp, dp, dop}}`` (seconds per batch per prefill
+layout; a YAML written before it was per layout holds one number, read as that number for every
+layout).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from numbers import Real
 from typing import Any, Mapping
 
 import yaml
@@ -47,12 +50,13 @@ _DCU = HardwareProfile(
 
 PLATFORMS: dict[str, dict[str, Any]] = {
     "b200": {"model": "glm-5", "profile": SPEC_PROFILES["b200"], "decode_world_size": 16,
-             "kv_transfer_Bps": 8 * 50e9 * 0.7},
+             "kv_transfer_Bps": 50e9 * 0.7},
     "h200": {"model": "deepseek-v3.2", "profile": SPEC_PROFILES["h200"], "decode_world_size": 8,
-             "kv_transfer_Bps": 8 * 50e9 * 0.7},
-    "dcu": {"model": DCU_MODEL, "profile": _DCU, "decode_world_size": 16, "kv_transfer_Bps": 8 * 25e9 * 0.7},
+             "kv_transfer_Bps": 50e9 * 0.7},
+    "dcu": {"model": DCU_MODEL, "profile": _DCU, "decode_world_size": 16, "kv_transfer_Bps": 25e9 * 0.7},
 }
-"""Per platform: model, spec θ of one prefill group, decode group size, KV transfer rate (8 NICs)."""
+"""Per platform: model, spec θ of one prefill group, decode group size, KV transfer rate of one
+sending rank (B/s: its own NIC, 400 Gb/s on the GPUs, 200 Gb/s assumed on the DCUs, x 0.7)."""
 
 CHUNK_TOKENS = 16384
 """Prefill rows per step over the group (SGLang's chunked-prefill size on these GPUs: a 256K prompt
@@ -98,7 +102,11 @@ def spec_serving(platform: str, pool_tokens: Mapping[str, int] | None = None) ->
 
 
 def build_serving(model: ModelConfig | str, profile: HardwareProfile, decode_world_size: int | None,
-                  kv_transfer_Bps: float = 0.0, decode_scale: float = 1.0, batch_overhead_s: float = 0.0) -> Serving:
+                  kv_transfer_Bps: float = 0.0, decode_scale: float = 1.0,
+                  batch_overhead_s: Mapping[str, float] | float = 0.0) -> Serving:
+    """A Serving of ``model`` on ``profile``'s prefill group and, when ``decode_world_size`` is set, a
+    decode group of that many ranks; ``batch_overhead_s`` per prefill layout (seconds) or one number
+    for every layout."""
     prefill = Deployment.build(model, profile)
     decode = None
     if decode_world_size:
@@ -116,7 +124,7 @@ def serving_to_dict(serving: Serving) -> dict[str, Any]:
             "profile": serving.prefill.profile.to_dict(),
             "decode": None if serving.decode is None else {"world_size": serving.decode.world_size},
             "kv_transfer_Bps": float(serving.kv_transfer_Bps), "decode_scale": float(serving.decode_scale),
-            "batch_overhead_s": float(serving.batch_overhead_s)}
+            "batch_overhead_s": {k: float(v) for k, v in serving.batch_overhead_s.items()}}
 
 
 def serving_from_dict(raw: Mapping[str, Any], source: str = "serving") -> Serving:
@@ -134,10 +142,14 @@ def serving_from_dict(raw: Mapping[str, Any], source: str = "serving") -> Servin
     decode = raw.get("decode")
     if decode is not None and (not isinstance(decode, Mapping) or "world_size" not in decode):
         raise ValueError(f"{source}: bad field 'decode': expected null or {{world_size: N}}")
+    batch = raw.get("batch_overhead_s", 0.0)
+    if not isinstance(batch, (Mapping, Real)) or isinstance(batch, bool):
+        raise ValueError(f"{source}: bad field 'batch_overhead_s': expected a number or a mapping "
+                         f"{{layout: seconds}}, got {batch!r}")
     try:
         return build_serving(model, profile, None if decode is None else int(decode["world_size"]),
                              float(raw.get("kv_transfer_Bps", 0.0)), float(raw.get("decode_scale", 1.0)),
-                             float(raw.get("batch_overhead_s", 0.0)))
+                             dict(batch) if isinstance(batch, Mapping) else float(batch))
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 

@@ -5,8 +5,10 @@ group in the layout under test and a decode group in DP-attention (``Serving``);
 B (L_in + 1024) / T_batch. The model of T_batch:
 
     T_batch = prefill steps (chunked, in the layout, priced by step_time)
-            + the last prompt's KV transfer + decode of the last wave (1,024 steps on the decode group)
-            + one per-layout fixed cost per request and per prefill step + a fixed cost per batch
+            + the last prompt's KV transfer (from the ranks that hold it: CP's 8 slices at once)
+            + decode of the last wave (1,024 steps on the decode group)
+            + per-layout fixed costs per prefill step and per prefill token
+            + a per-layout fixed cost per batch
 
 Prefill is chunked as the engine does: TP / CP run ``chunk_tokens`` rows of the group's FCFS queue
 per step; DP-attention / DOP give each owner ``chunk_tokens / T`` rows of its own requests (owners
@@ -15,9 +17,16 @@ prefill of later prompts, so only the last wave's decode is exposed; waves are c
 decode group's pools cannot hold the batch.
 
 T_batch is linear in the fitted constants once the roofline seconds are known: the stage seconds
-of every step (compute, attention, comm), the decode seconds, the transfer bytes, the step and
-request counts. ``features`` computes those once per point from the unfitted θ; ``fit`` solves a
-nonnegative least squares on relative error, with a weak prior pulling the stage scales to 1.
+of every step (compute, attention, comm), the decode seconds, the bytes one sending rank transfers,
+the step, request and token counts. ``base_features`` computes those once per point from the
+unfitted θ; ``fit`` solves a nonnegative least squares on relative error, with a weak prior pulling
+the stage scales to 1.
+
+A per-request constant per layout (``layout_request_s``) is a term of the model (a profile that
+carries one is priced with it) but the default fit leaves it out: across the 1K / 4K rows the
+layouts' extra seconds do not grow with the request count (DP-attention takes 26.3 s at 4K for
+B = 16 and for B = 32), and a per-request constant fitted on the long rows mispriced them
+(``docs/results/paper_fit.md``); a per-layout constant per batch fits them.
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ import numpy as np
 
 from splash_rollout.layout import ALL_LAYOUTS, Layout
 from splash_rollout.scheduling import StepBatch, step_time
-from splash_rollout.scheduling.deployment import Deployment, Serving
+from splash_rollout.scheduling.deployment import Deployment, Serving, kv_senders
 from splash_rollout.scheduling.numeric_fit import nnls
 from splash_rollout.scheduling.platforms import build_serving, spec_serving
 from splash_rollout.scheduling.profile import STAGE_GROUPS
@@ -102,9 +111,12 @@ def base_serving(platform: str) -> Serving:
 
 BASE = (*STAGE_GROUPS, "overhead", "steps", "requests", "tokens", "decode", "transfer_bytes", "batch")
 """Per (point, layout): stage seconds at unit scale, the base overhead seconds, prefill steps,
-requests, decode seconds, transfer bytes, and 1 (the batch)."""
-PER_LAYOUT_DEFAULT = ("attention", "comm", "steps", "requests", "tokens")
+requests, prefill tokens, decode seconds, the last prompt's KV bytes per sending rank, and 1 (the
+batch)."""
+PER_LAYOUT_DEFAULT = ("attention", "comm", "steps", "tokens", "batch")
 """Which BASE terms get one constant per layout in the fit (the others one shared constant)."""
+FITTED_DEFAULT = tuple(b for b in BASE if b != "requests")
+"""Which BASE terms the fit gives a constant (the others are left out: 0, and 1 for ``overhead``)."""
 
 
 def _unit(dep: Deployment) -> Deployment:
@@ -185,15 +197,18 @@ def base_features(serving: Serving, pt: Point, layout: Layout) -> np.ndarray:
     pre = _unit(serving.prefill)
     stages, steps = prefill_features(pre, layout, pt.input_tokens, pt.batch)
     dec = decode_seconds(serving.decode, pt.input_tokens, pt.batch) if serving.decode is not None else 0.0
-    xfer = pt.input_tokens * pre.sizes.kv_bytes_per_token_total if serving.decode is not None else 0.0
+    xfer = (pt.input_tokens * pre.sizes.kv_bytes_per_token_total / kv_senders(layout, pre.world_size)
+            if serving.decode is not None else 0.0)
     return np.array([*stages, steps, pt.batch, pt.batch * pt.input_tokens, dec, xfer, 1.0])
 
 
-def columns(per_layout: Sequence[str] = PER_LAYOUT_DEFAULT) -> tuple[str, ...]:
-    """Names of the fitted constants: ``TERM`` (shared) or ``TERM/LAYOUT``."""
+def columns(per_layout: Sequence[str] = PER_LAYOUT_DEFAULT, terms: Sequence[str] = FITTED_DEFAULT) -> tuple[str, ...]:
+    """Names of the constants of ``terms`` (BASE names, in BASE order): ``TERM`` (shared) or
+    ``TERM/LAYOUT`` for the terms in ``per_layout``."""
     out = []
     for b in BASE:
-        out += [f"{b}/{l}" for l in LAYOUT_NAMES] if b in per_layout else [b]
+        if b in terms:
+            out += [f"{b}/{l}" for l in LAYOUT_NAMES] if b in per_layout else [b]
     return tuple(out)
 
 
@@ -229,14 +244,20 @@ def coefficients(serving: Serving, cols: Sequence[str]) -> np.ndarray:
             out.append(serving.decode_scale)
         elif term == "transfer_bytes":
             out.append(1.0 / serving.kv_transfer_Bps if serving.kv_transfer_Bps > 0 else 0.0)
+        elif lay:
+            out.append(serving.batch_seconds(lay))
         else:
-            out.append(serving.batch_overhead_s)
+            shared = set(serving.batch_overhead_s.get(l, 0.0) for l in LAYOUT_NAMES)
+            if len(shared) != 1:
+                raise ValueError(f"batch: a shared column needs one batch constant, got {serving.batch_overhead_s}")
+            out.append(shared.pop())
     return np.array(out)
 
 
 def with_coefficients(serving: Serving, cols: Sequence[str], coef: Sequence[float]) -> Serving:
-    """``serving`` with the fitted constants (per-layout stage scales as ``GROUP/LAYOUT`` keys)."""
-    scale, step_s, req_s, tok_s, c = {}, {}, {}, {}, {}
+    """``serving`` with the fitted constants (per-layout stage scales as ``GROUP/LAYOUT`` keys); a
+    profile term without a column is 0 (a stage scale 1), a serving one keeps its value."""
+    scale, step_s, req_s, tok_s, batch_s, c = {}, {}, {}, {}, {}, {}
     for name, v in zip(cols, map(float, coef)):
         term, _, lay = name.partition("/")
         if term in STAGE_GROUPS:
@@ -247,6 +268,8 @@ def with_coefficients(serving: Serving, cols: Sequence[str], coef: Sequence[floa
             req_s.update({lay: v} if lay else {l: v for l in LAYOUT_NAMES})
         elif term == "tokens":
             tok_s.update({lay: v} if lay else {l: v for l in LAYOUT_NAMES})
+        elif term == "batch":
+            batch_s.update({lay: v} if lay else {l: v for l in LAYOUT_NAMES})
         else:
             c[term] = v
     p = serving.prefill.profile.replace(stage_scale=scale, layout_step_s=step_s, layout_request_s=req_s,
@@ -255,7 +278,7 @@ def with_coefficients(serving: Serving, cols: Sequence[str], coef: Sequence[floa
     rate = 1.0 / c["transfer_bytes"] if c.get("transfer_bytes", 0) > 0 else 1e15
     return build_serving(serving.prefill.model, p, None if dec is None else dec.world_size,
                          rate if dec is not None else 0.0, c.get("decode", serving.decode_scale),
-                         c.get("batch", serving.batch_overhead_s))
+                         batch_s or serving.batch_overhead_s)
 
 
 def feature_table(serving: Serving, pts: Sequence[Point]) -> np.ndarray:
@@ -266,7 +289,7 @@ def feature_table(serving: Serving, pts: Sequence[Point]) -> np.ndarray:
 def predict(serving: Serving, pts: Sequence[Point], table: np.ndarray | None = None) -> np.ndarray:
     """[P, 4] predicted throughput (10^3 tokens/s) per point and layout."""
     table = feature_table(serving, pts) if table is None else table
-    cols = columns(LAYOUT_TERMS)
+    cols = columns(LAYOUT_TERMS, BASE)
     seconds = design(table, cols) @ coefficients(serving, cols)
     tokens = np.array([pt.tokens for pt in pts], dtype=np.float64)[:, None]
     return tokens / seconds / 1e3
@@ -279,13 +302,15 @@ PRIOR = {"compute": 1.0, "attention": 1.0, "comm": 1.0, "decode": 1.0}
 
 
 def fit(serving: Serving, pts: Sequence[Point], table: np.ndarray | None = None,
-        per_layout: Sequence[str] = PER_LAYOUT_DEFAULT, prior_weight: float = SCALE_PRIOR) -> tuple[Serving, dict]:
-    """Constants of ``serving`` fitted to ``pts`` (all four layouts of each): nonnegative least squares
-    on the relative error of T_batch, each scale pulled weakly toward its prior (PRIOR)."""
+        per_layout: Sequence[str] = PER_LAYOUT_DEFAULT, prior_weight: float = SCALE_PRIOR,
+        terms: Sequence[str] = FITTED_DEFAULT) -> tuple[Serving, dict]:
+    """Constants of ``serving`` for ``terms`` fitted to ``pts`` (all four layouts of each):
+    nonnegative least squares on the relative error of T_batch, each scale pulled weakly toward its
+    prior (PRIOR). ``table``: [P, 4, len(BASE)] from ``feature_table`` (computed when None)."""
     if not pts:
         raise ValueError("--train: expected at least one sweep with points")
     table = feature_table(serving, pts) if table is None else table
-    cols = columns(per_layout)
+    cols = columns(per_layout, terms)
     measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in LAYOUT_NAMES] for pt in pts])
     a = (design(table, cols) / measured_s[:, :, None]).reshape(-1, len(cols))
     b = np.ones(a.shape[0])

@@ -1,12 +1,15 @@
 """The terms the published sweeps need, the disaggregated serving model, and the fit (pure, CPU)."""
 import json
+from dataclasses import replace
 
 import numpy as np
+import yaml
 import pytest
 
 from splash_rollout.layout import GiB, Layout
 from splash_rollout.scheduling import CollectiveCost, Deployment, StepBatch, load_profile, step_time
 from splash_rollout.scheduling.numeric_fit import levenberg_marquardt, nnls
+from splash_rollout.scheduling.deployment import kv_senders
 from splash_rollout.scheduling.platforms import load_serving, save_serving, spec_serving
 from splash_rollout.sim import paper
 
@@ -87,13 +90,15 @@ def test_chunked_prefill_step_counts():
 
 def test_prediction_is_the_sum_of_priced_steps(b200):
     """With constants set by hand the batch time is: every prefill step priced by step_time with the
-    profile, plus decode x scale, the last prompt's transfer, the batch constant."""
-    cols = paper.columns(paper.PER_LAYOUT_DEFAULT)
+    profile (a per-request constant included, which a profile may carry), plus decode x scale, the
+    last prompt's transfer, the layout's batch constant."""
+    cols = paper.columns((*paper.PER_LAYOUT_DEFAULT, "requests"), paper.BASE)
     coef = {c: 0.0 for c in cols}
     coef.update({c: 1.3 for c in cols if c.split("/")[0] in ("compute", "attention", "comm")})
     coef.update({"overhead": 1.0, "steps/tp": 0.01, "requests/tp": 0.2, "tokens/tp": 1e-6, "decode": 2.0,
-                 "transfer_bytes": 1e-10, "batch": 3.0})
+                 "transfer_bytes": 1e-10, "batch/tp": 3.0, "batch/cp": 5.0})
     s = paper.with_coefficients(b200, cols, [coef[c] for c in cols])
+    assert s.batch_overhead_s == {"tp": 3.0, "cp": 5.0, "dp": 0.0, "dop": 0.0}
     pt = paper.Point("x", 65536, 2, {l: 1.0 for l in paper.LAYOUT_NAMES})
     got = pt.tokens / (paper.predict(s, [pt])[0, 0] * 1e3)
     dep = s.prefill
@@ -108,21 +113,59 @@ def test_prediction_is_the_sum_of_priced_steps(b200):
     assert got == pytest.approx(want, rel=1e-9)
 
 
+def _batch_seconds(serving, pt):
+    """[4] predicted T_batch per layout (s)."""
+    return pt.tokens / (paper.predict(serving, [pt])[0] * 1e3)
+
+
+def test_a_layout_batch_constant_shifts_only_that_layouts_batch_time(b200):
+    pt = paper.Point("x", 4096, 16, {l: 1.0 for l in paper.LAYOUT_NAMES})
+    before = _batch_seconds(b200, pt)
+    shifted = replace(b200, batch_overhead_s={"tp": 0.0, "cp": 7.0, "dp": 0.5, "dop": 12.25})
+    np.testing.assert_allclose(_batch_seconds(shifted, pt) - before, [0.0, 7.0, 0.5, 12.25], rtol=0, atol=1e-9)
+    one = replace(b200, batch_overhead_s=2.0)  # one number: every layout
+    assert one.batch_overhead_s == {l: 2.0 for l in paper.LAYOUT_NAMES}
+    np.testing.assert_allclose(_batch_seconds(one, pt) - before, [2.0] * 4, rtol=0, atol=1e-9)
+    assert replace(b200, batch_overhead_s={"dp": 1.0}).batch_seconds(Layout.TP) == 0.0
+    for bad, match in (({"xx": 1.0}, "unknown layout"), ({"tp": -1.0}, "non-negative"), ("3", "number or a mapping")):
+        with pytest.raises(ValueError, match=match):
+            replace(b200, batch_overhead_s=bad)
+
+
+def test_cp_sends_the_last_prompt_from_all_its_ranks(b200):
+    """The last prompt's KV transfer: a CP prompt leaves the 8 ranks that hold its slices at once;
+    TP, DP-attention and DOP send it from one rank. Halving the rate adds exactly bytes / rate /
+    senders to each layout's batch time."""
+    pt = paper.Point("x", 131072, 4, {l: 1.0 for l in paper.LAYOUT_NAMES})
+    kv = 131072 * b200.prefill.sizes.kv_bytes_per_token_total
+    feats = paper.feature_table(b200, [pt])[0, :, paper.BASE.index("transfer_bytes")]
+    np.testing.assert_allclose(feats, [kv, kv / 8, kv, kv], rtol=1e-12)
+    assert kv_senders(Layout.CP, 8) == 8 and kv_senders(Layout.DOP, 8) == 1
+    rate = b200.kv_transfer_Bps
+    slower = replace(b200, kv_transfer_Bps=rate / 2)
+    np.testing.assert_allclose(_batch_seconds(slower, pt) - _batch_seconds(b200, pt),
+                               [kv / rate, kv / rate / 8, kv / rate, kv / rate], rtol=1e-9)
+
+
 def test_fit_recovers_constants_it_was_given(b200):
     pts = paper.points("b200", ["B16_in", "64K_bs"])
     table = paper.feature_table(b200, pts)
     cols = paper.columns(paper.PER_LAYOUT_DEFAULT)
+    assert not any(c.startswith("requests") for c in cols)  # the default fit has no per-request constants
     rng = np.random.default_rng(1)
     truth = {c: 0.0 for c in cols}
     truth.update({c: float(rng.uniform(0.5, 2.0)) for c in cols if c.split("/")[0] in ("compute", "attention", "comm")})
-    truth.update({"overhead": 1.0, "steps/dp": 0.05, "requests/cp": 0.4, "decode": 1.5, "transfer_bytes": 1e-9,
-                  "batch": 2.0})
+    truth.update({"overhead": 1.0, "steps/dp": 0.05, "tokens/cp": 2e-6, "decode": 1.5, "transfer_bytes": 1e-9,
+                  "batch/tp": 2.0, "batch/cp": 9.0, "batch/dop": 4.0})
     secs = paper.design(table, cols) @ np.array([truth[c] for c in cols])
     synthetic = [paper.Point(p.sweep, p.input_tokens, p.batch,
                              {l: p.tokens / secs[i, k] / 1e3 for k, l in enumerate(paper.LAYOUT_NAMES)})
                  for i, p in enumerate(pts)]
     fitted, info = paper.fit(b200, synthetic, table, prior_weight=0.0)
     assert info["max_abs_error"] < 1e-6
+    for l, want in (("tp", 2.0), ("cp", 9.0), ("dp", 0.0), ("dop", 4.0)):
+        assert fitted.batch_seconds(l) == pytest.approx(want, abs=1e-6)
+    assert fitted.prefill.profile.layout_request_s == {}
     got = paper.predict(fitted, synthetic, table)
     want = np.array([[p.measured[l] for l in paper.LAYOUT_NAMES] for p in synthetic])
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -147,13 +190,33 @@ def test_levenberg_marquardt_solves_rosenbrock_within_bounds():
 
 
 def test_serving_yaml_round_trip(tmp_path, b200):
-    save_serving(b200, tmp_path / "s.yaml")
+    s = replace(b200, batch_overhead_s={"tp": 1.5, "cp": 2.5, "dp": 3.5, "dop": 4.5})
+    save_serving(s, tmp_path / "s.yaml")
+    assert yaml.safe_load((tmp_path / "s.yaml").read_text())["batch_overhead_s"] == s.batch_overhead_s
     back = load_serving(tmp_path / "s.yaml")
     assert back.prefill.profile == b200.prefill.profile and back.prefill.pools == b200.prefill.pools
     assert back.decode.world_size == 16 and back.kv_transfer_Bps == b200.kv_transfer_Bps
+    assert back.batch_overhead_s == s.batch_overhead_s
     with pytest.raises(ValueError, match="platform or file"):
         load_serving(tmp_path / "missing.yaml")
     assert load_profile("b200-paper").world_size == 8
+
+
+def test_a_serving_yaml_with_one_batch_constant_still_loads(tmp_path, b200):
+    """YAMLs written before the batch constant was per layout hold one number: every layout pays it."""
+    save_serving(b200, tmp_path / "s.yaml")
+    raw = yaml.safe_load((tmp_path / "s.yaml").read_text())
+    raw["batch_overhead_s"] = 14.0
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(raw))
+    old = load_serving(tmp_path / "old.yaml")
+    assert old.batch_overhead_s == {"tp": 14.0, "cp": 14.0, "dp": 14.0, "dop": 14.0}
+    del raw["batch_overhead_s"]
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(raw))
+    assert load_serving(tmp_path / "none.yaml").batch_seconds("dop") == 0.0
+    for bad, match in (("[1, 2]", "batch_overhead_s"), ("{tp: -1}", "non-negative"), ("{gpu: 1}", "unknown layout")):
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**raw, "batch_overhead_s": yaml.safe_load(bad)}))
+        with pytest.raises(ValueError, match=match):
+            load_serving(tmp_path / "bad.yaml")
 
 
 def test_cli_fit_and_paper(tmp_path, capsys):

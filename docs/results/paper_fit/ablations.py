@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from splash_rollout.layout import ALL_LAYOUTS, Layout
+from splash_rollout.scheduling.deployment import kv_senders
 from splash_rollout.scheduling.numeric_fit import nnls
 from splash_rollout.sim import paper
 
@@ -44,28 +45,44 @@ def waiting_requests(serving, pt: paper.Point, layout: Layout) -> float:
     return float(max(pt.batch - prefill_capacity(serving, layout, pt.input_tokens), 0))
 
 
-def kv_senders(layout: Layout) -> int:
-    """Ranks that send one prompt's KV to the decode group: CP shards the sequence over the 8 ranks;
-    DP-attention / DOP keep a prompt on its owner; TP ranks hold replicas (one sends)."""
-    return 8 if layout is Layout.CP else 1
+def queued_request_steps(serving, pt: paper.Point, layout: Layout) -> float:
+    """Requests waiting in the busiest scheduler's queue, summed over the prefill steps: TP / CP run
+    one scheduler over the whole batch (FCFS, ``chunk_tokens`` rows a step), DP-attention / DOP one
+    per owner holding its round-robin share (``chunk_tokens / T`` rows a step); a prompt leaves the
+    queue on the step its prefill starts."""
+    dep = serving.prefill
+    t, chunk = dep.world_size, dep.chunk_tokens(layout, 16384)
+    n, budget = (-(-pt.batch // t), max(chunk // t, 1)) if layout in (Layout.DP, Layout.DOP) else (pt.batch, chunk)
+    if pt.input_tokens >= budget:
+        return float(-(-pt.input_tokens // budget) * n * (n - 1) // 2)
+    per_step = budget // pt.input_tokens
+    return float(sum(max(n - per_step * (s + 1), 0) for s in range(-(-n // per_step))))
+
+
+PREVIOUS_PER_LAYOUT = ("attention", "comm", "steps", "requests", "tokens")
+"""The per-layout terms of the model shipped before the per-layout batch constant."""
 
 
 class Variant:
-    """One model: which BASE terms are per layout, which are dropped, extra columns, the loss."""
+    """One model: which BASE terms are fitted and which of them per layout, whether CP's last prompt
+    leaves its 8 ranks at once (the shipped model) or one rank, extra columns, the loss."""
 
-    def __init__(self, name: str, per_layout: Sequence[str] = paper.PER_LAYOUT_DEFAULT, drop: Sequence[str] = (),
-                 extra: Callable | None = None, extra_per_layout: bool = False, senders: bool = False,
-                 robust: bool = False, note: str = ""):
-        self.name, self.per_layout, self.drop, self.extra = name, tuple(per_layout), tuple(drop), extra
+    def __init__(self, name: str, per_layout: Sequence[str] = paper.PER_LAYOUT_DEFAULT,
+                 terms: Sequence[str] = paper.FITTED_DEFAULT, extra: Callable | None = None,
+                 extra_per_layout: bool = False, senders: bool = True, robust: bool = False,
+                 prior_weight: float = paper.SCALE_PRIOR, note: str = ""):
+        self.name, self.per_layout, self.terms, self.extra = name, tuple(per_layout), tuple(terms), extra
         self.extra_per_layout, self.senders, self.robust, self.note = extra_per_layout, senders, robust, note
+        self.prior_weight = prior_weight
 
     def design(self, serving, pts: Sequence[paper.Point], table: np.ndarray) -> tuple[np.ndarray, list[str]]:
         """[P, 4, C] design matrix and its C column names."""
         table = table.copy()
-        if self.senders:
+        if not self.senders:  # the table holds bytes per sending rank; one sender carries the whole prompt
             k = paper.BASE.index("transfer_bytes")
-            table[:, :, k] /= np.array([kv_senders(l) for l in ALL_LAYOUTS])[None, :]
-        cols = [c for c in paper.columns(self.per_layout) if c.partition("/")[0] not in self.drop]
+            t = serving.prefill.world_size
+            table[:, :, k] *= np.array([kv_senders(l, t) for l in ALL_LAYOUTS])[None, :]
+        cols = list(paper.columns(self.per_layout, self.terms))
         d = paper.design(table, cols)
         if self.extra is None:
             return d, cols
@@ -76,7 +93,8 @@ class Variant:
         return np.concatenate([d, e[..., None]], axis=-1), cols + ["extra"]
 
 
-def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], robust: bool) -> np.ndarray:
+def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], robust: bool,
+                prior_weight: float = paper.SCALE_PRIOR) -> np.ndarray:
     """[C] constants: NNLS on relative error of T_batch, the stage scales pulled toward 1 as in paper.fit."""
     measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in paper.LAYOUT_NAMES] for pt in pts])
     a = (d / measured_s[:, :, None]).reshape(-1, len(cols))
@@ -85,7 +103,7 @@ def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], 
     free = [k for k in range(len(cols)) if k != fixed]
     size = np.maximum(np.abs(a[:, free]).max(axis=0), 1e-300)
     rows, rhs = [a[:, free] / size], [b]
-    weight = paper.SCALE_PRIOR * math.sqrt(len(b))
+    weight = prior_weight * math.sqrt(len(b))
     for j, k in enumerate(free):
         if cols[k].partition("/")[0] in paper.PRIOR:
             r = np.zeros((1, len(free)))
@@ -129,7 +147,7 @@ def run(platform: str, variants: Sequence[Variant]) -> dict:
             (ptr, ttr), (pte, tte) = data[tuple(train)], data[tuple(test)]
             dtr, cols = v.design(base, ptr, ttr)
             dte, _ = v.design(base, pte, tte)
-            coef = fit_columns(dtr, cols, ptr, v.robust)
+            coef = fit_columns(dtr, cols, ptr, v.robust, v.prior_weight)
             pred = np.array([pt.tokens for pt in pte], dtype=np.float64)[:, None] / (dte @ coef) / 1e3
             halves.append({"train": "+".join(train), **summary(pred, pte),
                            "constants": {c: float(x) for c, x in zip(cols, coef) if x}})
@@ -139,25 +157,43 @@ def run(platform: str, variants: Sequence[Variant]) -> dict:
     return out
 
 
+POOL_WAIT = lambda s, pt, l: waiting_requests(s, pt, l) * pt.input_tokens * s.prefill.sizes.kv_bytes_per_token_total
+"""Seconds-per-byte column: each request beyond the prefill pool waits one prompt's KV transfer."""
+NO_REQUESTS = paper.FITTED_DEFAULT
+WITH_REQUESTS = paper.BASE
+
 VARIANTS = (
-    Variant("default", note="the shipped model (sim fit / sim paper)"),
-    Variant("pool_wait_transfer", extra=lambda s, pt, l: waiting_requests(s, pt, l) * pt.input_tokens
-            * s.prefill.sizes.kv_bytes_per_token_total, note="each request beyond the prefill pool waits one "
-            "prompt's KV transfer; a shared s/byte column"),
-    Variant("pool_wait_per_layout", extra=waiting_requests, extra_per_layout=True,
-            note="free seconds per waiting request per layout (an upper bound on what the pool term can do)"),
-    Variant("robust_soft_l1", robust=True, note="soft-L1 loss on relative error, scale 0.1"),
-    Variant("no_request_cost", drop=("requests",), note="per-request constants removed"),
-    Variant("shared_step_cost", per_layout=("attention", "comm", "requests", "tokens"),
-            note="one per-step constant for all layouts"),
-    Variant("layout_batch_cost", per_layout=(*paper.PER_LAYOUT_DEFAULT, "batch"), drop=("requests",),
-            note="per-layout batch constant instead of per-request constants"),
-    Variant("layout_batch_cost+cp_senders", per_layout=(*paper.PER_LAYOUT_DEFAULT, "batch"), drop=("requests",),
-            senders=True, note="and the last prompt's KV leaves CP's 8 ranks in parallel"),
-    Variant("cp_senders", senders=True, note="the shipped model with CP's KV sent by 8 ranks"),
-    Variant("layout_batch_cost+cp_senders+pool_wait", per_layout=(*paper.PER_LAYOUT_DEFAULT, "batch"),
-            drop=("requests",), senders=True, extra=lambda s, pt, l: waiting_requests(s, pt, l) * pt.input_tokens
-            * s.prefill.sizes.kv_bytes_per_token_total, note="all three"),
+    Variant("default", note="the shipped model (sim fit / sim paper): per-layout batch constant, no per-request "
+            "constants, CP's last prompt sent by its 8 ranks"),
+    Variant("previous_default", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False,
+            note="the model shipped before: per-layout per-request constants, one batch constant, one KV sender"),
+    Variant("pool_wait_transfer", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False,
+            extra=POOL_WAIT, note="previous + a shared s/byte column for the requests beyond the prefill pool"),
+    Variant("pool_wait_per_layout", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False,
+            extra=waiting_requests, extra_per_layout=True,
+            note="previous + free seconds per waiting request per layout (an upper bound on what the pool term can do)"),
+    Variant("robust_soft_l1", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False, robust=True,
+            note="previous, soft-L1 loss on relative error, scale 0.1"),
+    Variant("no_request_cost", per_layout=PREVIOUS_PER_LAYOUT, terms=NO_REQUESTS, senders=False,
+            note="previous without its per-request constants"),
+    Variant("shared_step_cost", per_layout=("attention", "comm", "requests", "tokens"), terms=WITH_REQUESTS,
+            senders=False, note="previous with one per-step constant for all layouts"),
+    Variant("layout_batch_cost", senders=False, note="the shipped model with one KV sender for every layout"),
+    Variant("cp_senders", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS,
+            note="previous with CP's KV sent by 8 ranks"),
+    Variant("default+pool_wait", extra=POOL_WAIT, note="the shipped model + the shared pool-wait column"),
+    Variant("default+queue_scan", extra=queued_request_steps,
+            note="the shipped model + one shared cost per queued request per prefill step (each scheduler walks "
+            "its waiting queue every step; TP / CP hold the whole batch in one queue, an owner its share)"),
+    Variant("default+layout_transfer", per_layout=(*paper.PER_LAYOUT_DEFAULT, "transfer_bytes"),
+            note="the shipped model with one transfer rate per layout (each layout's senders reach their own "
+            "rate: one NIC for TP and the owners, CP's 8 slices through the same switch to the same receiver)"),
+    Variant("default_prior_0", prior_weight=0.0, note="the shipped model without the prior on the stage scales "
+            "(0.01 gives the same row)"),
+    Variant("default_prior_0.2", prior_weight=0.2, note="the shipped model with a 4x stronger prior (1.0 gives the "
+            "same row)"),
+    Variant("default+request_cost", per_layout=(*paper.PER_LAYOUT_DEFAULT, "requests"), terms=WITH_REQUESTS,
+            note="the shipped model keeping the per-layout per-request constants"),
 )
 
 
