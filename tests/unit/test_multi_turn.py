@@ -226,9 +226,14 @@ def test_a_policy_taught_to_call_gets_the_calculators_replies():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: 10x faster than oversubscribed cores under load
     try:
-        for _ in range(100):
-            trainer.optimizer_step([mb], lambda lp, b: (-(lp * b.loss_mask).sum() / b.loss_mask.sum(), {}),
-                                   temperature=1.0)
+        # until the two demonstrations are memorised: at lr 3e-3 the loss spikes now and then (0.003
+        # at step 90, 0.34 at step 100 on one CPU), so a fixed step count passes on one machine only
+        for _ in range(400):
+            out = trainer.optimizer_step([mb], lambda lp, b: (-(lp * b.loss_mask).sum() / b.loss_mask.sum(), {}),
+                                         temperature=1.0)
+            if out["loss"] < 1e-3:
+                break
+        assert out["loss"] < 1e-3, out
     finally:
         torch.set_num_threads(threads)
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=256, page_size=8, numerics="reproducible")) as engine:
