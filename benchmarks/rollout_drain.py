@@ -288,6 +288,11 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _round_ratios(system_runs: list[dict], baseline_runs: list[dict]) -> list[float]:
+    """tokens/s of a system over the baseline's, round by round (lists in round order)."""
+    return [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(system_runs, baseline_runs)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="output JSON path")
@@ -370,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_auto_uncorrected_vs_best_fixed": (tps["auto_uncorrected"] / fixed[best]
                                                  if "auto_uncorrected" in tps and best else None),
         "best_fixed": best,
+        # the same ratios round by round (each round runs every system back to back), and their median:
+        # on a machine whose speed drifts over minutes, the pairs are what compare like with like
+        **{f"ratio_{a}_vs_best_fixed_by_round": ratios for a in AUTO
+           if (ratios := _round_ratios(every.get(a, []), every.get(best, [])))},
+        **{f"ratio_{a}_vs_best_fixed_median_of_rounds": float(np.median(ratios)) for a in AUTO
+           if (ratios := _round_ratios(every.get(a, []), every.get(best, [])))},
         "ratio_auto_vs_transformers": vs_peer["transformers"],
         "ratio_auto_vs_transformers_cb": vs_peer["transformers_cb"],
         "unavailable": unavailable,
