@@ -48,7 +48,7 @@ from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
 from splash_rollout.layout.layouts import Ownership
 from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
 from splash_rollout.scheduling.deployment import Deployment
-from splash_rollout.scheduling.phase import PhasePrefill, owner_pieces, prefill_step
+from splash_rollout.scheduling.phase import PhasePrefill, held_at_runs, owner_pieces, prefill_step
 from splash_rollout.scheduling.online import GROUPS, StepTimeCorrection, stage_groups, step_shape
 from splash_rollout.scheduling.switch_cost import SwitchCost, layer_transfer_seconds, overlapped_seconds
 
@@ -374,11 +374,14 @@ class LayoutPolicy:
           one per finishing request, a step carrying what arrived since the last one, so each
           layout pays its per-prefill-step cost on the steps they trickle in; long ones in
           full-budget chunks. The first run is priced in the layout itself. A run behind it may be
-          left to the layout that runs it fastest among those that can take the batch back -- a
-          pool that holds at least as much over the group as this layout's, which its admission
-          fills -- since the policy is consulted again before the run reaches the head and a
-          switch costs milliseconds. A layout with the largest pool cannot hand a run it prefills
-          slowly to anyone (DOP's larger pool admits the batch CP then cannot hold);
+          left to the layout that runs it fastest among those that can take the batch back when
+          the run reaches the head, since the policy is consulted again then and a switch costs
+          milliseconds: a pool that holds what this layout's batch holds by then
+          (``phase.held_at_runs``: the batch, the prompts admitted ahead, less what the requests
+          finishing meanwhile free) or, where this layout's pool fills first, at least as much
+          over the group as its own. A batch held at the request limit by the turnover fits the
+          smaller pools and every layout prices the run the same way; a layout whose larger pool
+          admission fills (DOP's, past CP's) prefills it itself;
         * the steps of the horizon left after the prefill steps run the batch decoding, one row per
           request (at the current context). A layout whose prefill outlasts the horizon pays for
           all of it: the work is the same for every layout, the time is its own.
@@ -424,11 +427,14 @@ class LayoutPolicy:
             dec_s[l] = self._price(l, decode).seconds
         capacity = {l: d.pools.get(l, 0) * (1 if l.ownership is Ownership.EVERY else d.world_size)
                     for l in parts}
+        now_reserved = waiting.reserved[: phase.now_requests] if waiting is not None else np.zeros(0, np.int64)
+        held = held_at_runs(hold, now_reserved, runs)  # [R] tokens the batch holds as each run reaches the head
         for l, own in parts.items():
-            # a run behind the first may go to a layout that can take the batch back from this one:
-            # its pool holds at least as much as this one's, which this one's admission fills
-            handover = [m for m in parts if capacity[m] >= capacity[l]]
-            plan = own[:2] + [min((parts[m][k] for m in handover), key=lambda p: p[1]) for k in range(2, len(own))]
+            # a run behind the first may go to a layout that can take the batch back from this one
+            # as the run reaches the head: its pool holds what this one's batch holds by then, at
+            # most this one's pool (own[k] prices runs[k - 1])
+            plan = own[:2] + [min((parts[m][k] for m in parts if capacity[m] >= min(capacity[l], held[k - 1])),
+                                  key=lambda p: p[1]) for k in range(2, len(own))]
             steps, seconds = sum(p[0] for p in plan), sum(p[1] for p in plan)
             if not math.isfinite(seconds):
                 out[l] = math.inf
