@@ -7,7 +7,8 @@ fixed cost per prefill step looks fast on the first and slow on the second. Over
 enters as the batch finishes: the free slots' prompts now, then one per finishing request, spread
 over the horizon, in runs of short prompts (one step's budget holds them) and long ones (prefilled
 in full-budget chunks). This file owns that split (``PhasePrefill``), the runs and the queue one
-phase step admits each from (``PhasePrefill.arrival_runs``), what the batch holds as each run
+phase step admits each from (``PhasePrefill.arrival_runs``; the free slots' prompts split the same
+way, ``PhasePrefill.now_runs``), what the batch holds as each run
 reaches the head (``held_at_runs``: who can take a run over), and the step shapes of layouts that
 prefill on owners (``owner_capped``, ``owner_pieces``) or over a long prompt's growing context
 (``mid_prefill``).
@@ -98,6 +99,24 @@ class PhasePrefill:
             per_step = math.ceil(rows / max(1.0, min(max(horizon, 1.0), float(n))))
             budget = running + min(room, per_step)
         return Arrivals(prompt[:n], reserved[:n], budget, rows, bool(long[0]), n < prompt.size)
+
+    def now_runs(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int) -> list[Arrivals]:
+        """The free slots' prompts (the queue's first ``now_requests``) in FIFO runs of one kind, as
+        ``next_arrivals`` splits the later ones: a long prompt among them is prefilled in
+        full-budget chunks however many short ones precede it, and short ones behind a long one go
+        in full-budget steps of their own -- not all at the step shape of the queue's head. They
+        need no finishing request to enter, so every run is at the full ``token_budget``. Their
+        rows are part of ``now_rows``; the rest of ``now_rows`` is the running prefills'."""
+        room = token_budget - running
+        prompt, reserved = prompt[: self.now_requests], reserved[: self.now_requests]
+        if not prompt.size or room < 1:
+            return []
+        long = prompt > room
+        edges = np.flatnonzero(long[1:] != long[:-1]) + 1  # where one kind gives way to the other
+        starts, stops = [0, *edges.tolist()], [*edges.tolist(), prompt.size]
+        return [Arrivals(prompt[a:b], reserved[a:b], token_budget, int(prompt[a:b].sum()), bool(long[a]),
+                         b < prompt.size or self.later_requests > 0)
+                for a, b in zip(starts, stops)]
 
     def arrival_runs(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int,
                      horizon: float) -> list[Arrivals]:

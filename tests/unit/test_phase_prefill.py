@@ -190,6 +190,45 @@ def test_a_layout_whose_pool_fills_past_the_others_prefills_the_run_itself(dep):
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
 
 
+def test_the_free_slots_prompts_split_into_runs_of_one_kind():
+    phase = PhasePrefill(now_rows=9000 + 3 * 500, now_requests=4)
+    # budget 1,064 beside 64 decode rows: 1,000 prefill rows; the fifth prompt is not in a free slot
+    runs = phase.now_runs(np.array([500, 500, 9000, 500, 7]), np.array([1, 2, 3, 4, 5]), 1064, 64)
+    assert [(r.prompt.tolist(), r.reserved.tolist(), r.rows, r.long, r.more) for r in runs] == [
+        ([500, 500], [1, 2], 1000, False, True), ([9000], [3], 9000, True, True), ([500], [4], 500, False, False)]
+    assert all(r.token_budget == 1064 for r in runs)  # no finishing request needed: the full budget
+    assert PhasePrefill(now_rows=5).now_runs(np.array([500]), np.array([1]), 1064, 64) == []
+
+
+def test_a_long_prompt_behind_a_short_one_in_the_free_slots_runs_at_its_own_rate(dep):
+    policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
+    t = dep.world_size
+    batch = StepBatch.make([3000] * 64, 1, np.arange(64) % t)
+    hold = batch.context
+    # two slots free: a 2,048-row prompt, then a 160,000-row one. Priced at the head's step both
+    # would share it (2,048 + 14,336 rows; on owners 2,048 + 2,056); each runs at its own shape
+    waiting = Waiting.make([2048, 160_000], [4096, 161_000], 64 + 16_384, 66)
+    phase = PhasePrefill(now_rows=2048 + 160_000, now_requests=2)
+    horizon = 200.0
+    priced = policy.admitted_costs(batch, hold, waiting)
+    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    decode = StepBatch.make(batch.context, 1, batch.owners)
+    ones = np.ones(64, dtype=np.int64)
+    for layout, (cost, _, _) in priced.items():
+        if not cost.feasible:
+            continue
+        price = lambda s: step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds  # noqa: E731
+        short = StepBatch.make(np.append(batch.context, 2048), np.append(ones, 2048), np.append(batch.owners, 0))
+        chunk, n_long = 16_384, 10  # the group's budget beside the 64 decode rows: ten steps
+        if layout in (Layout.DP, Layout.DOP):
+            chunk, n_long = 2056, 78  # one owner's share: 78 steps
+        long = StepBatch.make(np.append(batch.context, (160_000 + chunk) // 2), np.append(ones, chunk),
+                              np.append(batch.owners, 0))
+        seconds = price(short) + n_long * price(long) + (horizon - 1 - n_long) * price(decode)
+        want = seconds / (2048 + 160_000 + horizon * 64)
+        assert got[layout] == pytest.approx(want, rel=1e-12), layout
+
+
 def test_a_long_prompt_prefills_on_its_owner_at_the_owners_share(dep):
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
     t = dep.world_size
