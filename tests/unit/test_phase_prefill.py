@@ -7,7 +7,8 @@ import pytest
 
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, step_time
-from splash_rollout.scheduling.phase import Arrivals, PhasePrefill, held_at_runs, mid_prefill, owner_capped, owner_pieces
+from splash_rollout.scheduling.phase import (Arrivals, PhasePrefill, held_at_runs, mid_prefill, owner_capped,
+                                             owner_pieces)
 from splash_rollout.scheduling.policy import Waiting, admit
 
 
