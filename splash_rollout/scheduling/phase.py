@@ -7,7 +7,9 @@ fixed cost per prefill step looks fast on the first and slow on the second. Over
 enters as the batch finishes: the free slots' prompts now, then one per finishing request, spread
 over the horizon, in runs of short prompts (one step's budget holds them) and long ones (prefilled
 in full-budget chunks). This file owns that split (``PhasePrefill``), the runs and the queue one
-phase step admits each from (``PhasePrefill.arrival_runs``), and the step shapes of layouts that
+phase step admits each from (``PhasePrefill.arrival_runs``; the free slots' prompts split the same
+way, ``PhasePrefill.now_runs``), what the batch holds as each run
+reaches the head (``held_at_runs``: who can take a run over), and the step shapes of layouts that
 prefill on owners (``owner_capped``, ``owner_pieces``) or over a long prompt's growing context
 (``mid_prefill``).
 
@@ -98,6 +100,24 @@ class PhasePrefill:
             budget = running + min(room, per_step)
         return Arrivals(prompt[:n], reserved[:n], budget, rows, bool(long[0]), n < prompt.size)
 
+    def now_runs(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int) -> list[Arrivals]:
+        """The free slots' prompts (the queue's first ``now_requests``) in FIFO runs of one kind, as
+        ``next_arrivals`` splits the later ones: a long prompt among them is prefilled in
+        full-budget chunks however many short ones precede it, and short ones behind a long one go
+        in full-budget steps of their own -- not all at the step shape of the queue's head. They
+        need no finishing request to enter, so every run is at the full ``token_budget``. Their
+        rows are part of ``now_rows``; the rest of ``now_rows`` is the running prefills'."""
+        room = token_budget - running
+        prompt, reserved = prompt[: self.now_requests], reserved[: self.now_requests]
+        if not prompt.size or room < 1:
+            return []
+        long = prompt > room
+        edges = np.flatnonzero(long[1:] != long[:-1]) + 1  # where one kind gives way to the other
+        starts, stops = [0, *edges.tolist()], [*edges.tolist(), prompt.size]
+        return [Arrivals(prompt[a:b], reserved[a:b], token_budget, int(prompt[a:b].sum()), bool(long[a]),
+                         b < prompt.size or self.later_requests > 0)
+                for a, b in zip(starts, stops)]
+
     def arrival_runs(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int,
                      horizon: float) -> list[Arrivals]:
         """Every run of the later prompts in FIFO order (``next_arrivals`` over what is left)."""
@@ -110,6 +130,25 @@ class PhasePrefill:
             rest = PhasePrefill(rest.now_rows, rest.now_requests + run.prompt.size,
                                 max(rest.later_rows - run.rows, 1) if left else 0, left)
         return runs
+
+
+def held_at_runs(hold: np.ndarray, now_reserved: np.ndarray, runs: list[Arrivals]) -> np.ndarray:
+    """Tokens the batch is expected to hold (reserved KV over the group) when each later run reaches
+    the queue's head, before it is admitted: ``hold`` ([B] what the running requests hold now) plus
+    the reservations of the prompts admitted ahead of the run (``now_reserved``: [N] the free
+    slots'; then every earlier run's), less what the requests that finish meanwhile free. The later
+    prompts enter one per finishing request, so as many finish as later prompts enter ahead of the
+    run, each freeing on average what a running request holds now. A run is handed to another
+    layout only when the policy is consulted again as it reaches the head, and the switch then
+    needs the destination's pool to hold this batch, not the whole pool of the layout it leaves.
+    Returns [R] tokens, one per run (not capped by any pool)."""
+    held = float(np.sum(hold)) + float(np.sum(now_reserved))
+    mean_hold = float(np.mean(hold)) if np.size(hold) else 0.0
+    out = []
+    for run in runs:
+        out.append(held)
+        held += float(run.reserved.sum()) - run.prompt.size * mean_hold
+    return np.asarray(out, dtype=np.float64)
 
 
 def owner_capped(step: StepBatch, cap: int) -> tuple[StepBatch, np.ndarray]:

@@ -48,7 +48,7 @@ from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
 from splash_rollout.layout.layouts import Ownership
 from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
 from splash_rollout.scheduling.deployment import Deployment
-from splash_rollout.scheduling.phase import PhasePrefill, owner_pieces, prefill_step
+from splash_rollout.scheduling.phase import PhasePrefill, held_at_runs, owner_pieces, prefill_step
 from splash_rollout.scheduling.online import GROUPS, StepTimeCorrection, stage_groups, step_shape
 from splash_rollout.scheduling.switch_cost import SwitchCost, layer_transfer_seconds, overlapped_seconds
 
@@ -365,20 +365,26 @@ class LayoutPolicy:
         rates. ``prefill`` says how the prompt rows arrive (an int: all of them now; see
         ``phase.PhasePrefill``):
 
-        * the rows that can run now (the running prefills, the prompts of the free slots) take
-          ceil(rows / that layout's prefill rows per step) steps at the cost of the step it would
-          run with the queue's head admitted up to the token budget as if its pool had room
-          (``hold``, ``waiting``: as ``decide`` gets them; what this step's pool admits is a
-          snapshot);
+        * the rows that can run now: the running prefills' rest takes ceil(rows / that layout's
+          prefill rows per step) steps at the cost of the step they run in; the free slots'
+          prompts go in FIFO runs of one kind (``PhasePrefill.now_runs``), each at the full-budget
+          step of its own prompts as if the pool had room (``hold``, ``waiting``: as ``decide``
+          gets them; what this step's pool admits is a snapshot) -- a long prompt behind short
+          ones at its own rate (on one owner, for DP-attention and DOP), not at the short head's.
+          With no free slot (or an int) every now row is priced at the step with the queue's
+          head admitted up to the token budget;
         * the prompts that enter later arrive in runs (``PhasePrefill.arrival_runs``): short ones
           one per finishing request, a step carrying what arrived since the last one, so each
           layout pays its per-prefill-step cost on the steps they trickle in; long ones in
-          full-budget chunks. The first run is priced in the layout itself. A run behind it may be
-          left to the layout that runs it fastest among those that can take the batch back -- a
-          pool that holds at least as much over the group as this layout's, which its admission
-          fills -- since the policy is consulted again before the run reaches the head and a
-          switch costs milliseconds. A layout with the largest pool cannot hand a run it prefills
-          slowly to anyone (DOP's larger pool admits the batch CP then cannot hold);
+          full-budget chunks. The first run, like the now rows, is priced in the layout itself. A
+          run behind it may be left to the layout that runs it fastest among those that can take the batch back when
+          the run reaches the head, since the policy is consulted again then and a switch costs
+          milliseconds: a pool that holds what this layout's batch holds by then
+          (``phase.held_at_runs``: the batch, the prompts admitted ahead, less what the requests
+          finishing meanwhile free) or, where this layout's pool fills first, at least as much
+          over the group as its own. A batch held at the request limit by the turnover fits the
+          smaller pools and every layout prices the run the same way; a layout whose larger pool
+          admission fills (DOP's, past CP's) prefills it itself;
         * the steps of the horizon left after the prefill steps run the batch decoding, one row per
           request (at the current context). A layout whose prefill outlasts the horizon pays for
           all of it: the work is the same for every layout, the time is its own.
@@ -392,6 +398,12 @@ class LayoutPolicy:
         hold = batch.context if hold is None else hold
         runs = [] if waiting is None else phase.arrival_runs(waiting.prompt, waiting.reserved, waiting.token_budget,
                                                              batch.size, horizon)
+        # the free slots' prompts in runs of one kind, each at its own full-budget step; the rows
+        # left are the running prefills', at the step they run in (an int or no free slot: every
+        # now row at the step with the queue's head admitted, as before the split)
+        now_runs = [] if waiting is None or not phase.now_requests else \
+            phase.now_runs(waiting.prompt, waiting.reserved, waiting.token_budget, batch.size)
+        running_rows = phase.now_rows - sum(r.rows for r in now_runs)
         out, parts, dec_s = {}, {}, {}
         rows = phase.now_rows + sum(r.rows for r in runs)
         for l, (cost, step, _) in priced.items():
@@ -401,7 +413,9 @@ class LayoutPolicy:
             cap = 0  # rows one owner prefills a step (0: the group's budget, not per owner)
             if waiting is not None and l.ownership is Ownership.OWNER:
                 cap = max(1, d.chunk_tokens(l, waiting.token_budget) // d.world_size)
-            if phase.now_rows and waiting is not None and waiting.prompt.size:
+            if now_runs:
+                step = prefill_step(batch, batch.size, np.zeros(0, np.int64), cap) if cap else batch
+            elif phase.now_rows and waiting is not None and waiting.prompt.size:
                 step, _, _ = admit(l, batch, hold, waiting, 1 << 62, d.world_size, d.page_size)
                 step = prefill_step(step, batch.size, waiting.prompt, cap)
             elif cap:
@@ -409,11 +423,11 @@ class LayoutPolicy:
             if step is not priced[l][1]:
                 cost = self._price(l, step)
             pre_rows = int(step.query_rows[step.query_rows > 1].sum())
-            n_now = math.ceil(phase.now_rows / pre_rows) if pre_rows and phase.now_rows else 0
+            n_now = math.ceil(running_rows / pre_rows) if pre_rows and running_rows > 0 else 0
             parts[l] = [(n_now, n_now * cost.seconds)]  # (steps, seconds) of the now rows, then of each run
-            for later in runs:
+            for k, later in enumerate(now_runs + runs):
                 prompt, reserved = later.prompt, later.reserved
-                if cap and not later.long:
+                if cap and not later.long and k >= len(now_runs):  # short arrivals overlap on owners
                     prompt, reserved = owner_pieces(prompt, reserved, cap)
                 queue = Waiting(prompt, reserved, later.token_budget, decode.size + prompt.size)
                 arrive, _, _ = admit(l, decode, decode.context, queue, 1 << 62, d.world_size, d.page_size)
@@ -424,11 +438,16 @@ class LayoutPolicy:
             dec_s[l] = self._price(l, decode).seconds
         capacity = {l: d.pools.get(l, 0) * (1 if l.ownership is Ownership.EVERY else d.world_size)
                     for l in parts}
+        now_reserved = waiting.reserved[: phase.now_requests] if waiting is not None else np.zeros(0, np.int64)
+        held = held_at_runs(hold, now_reserved, runs)  # [R] tokens the batch holds as each run reaches the head
+        mine = 2 + len(now_runs)  # the running prefills, the free slots' runs, the first later run: in the layout
         for l, own in parts.items():
-            # a run behind the first may go to a layout that can take the batch back from this one:
-            # its pool holds at least as much as this one's, which this one's admission fills
-            handover = [m for m in parts if capacity[m] >= capacity[l]]
-            plan = own[:2] + [min((parts[m][k] for m in handover), key=lambda p: p[1]) for k in range(2, len(own))]
+            # a later run behind the first may go to a layout that can take the batch back from this
+            # one as the run reaches the head: its pool holds what this one's batch holds by then, at
+            # most this one's pool (own[k] prices runs[k - mine + 1])
+            plan = own[:mine] + [min((parts[m][k] for m in parts
+                                      if capacity[m] >= min(capacity[l], held[k - mine + 1])),
+                                     key=lambda p: p[1]) for k in range(mine, len(own))]
             steps, seconds = sum(p[0] for p in plan), sum(p[1] for p in plan)
             if not math.isfinite(seconds):
                 out[l] = math.inf

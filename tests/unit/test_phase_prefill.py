@@ -7,7 +7,8 @@ import pytest
 
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, step_time
-from splash_rollout.scheduling.phase import PhasePrefill, mid_prefill, owner_capped, owner_pieces
+from splash_rollout.scheduling.phase import (Arrivals, PhasePrefill, held_at_runs, mid_prefill, owner_capped,
+                                             owner_pieces)
 from splash_rollout.scheduling.policy import Waiting, admit
 
 
@@ -121,18 +122,111 @@ def test_a_run_behind_the_first_goes_to_a_layout_that_can_take_the_batch_back(de
         n = -(-300_000 // chunk)
         return n, n * price(layout, step)
 
-    # what each layout's pool holds over the group: DOP's holds the most, TP's the least
-    capacity = {l: dep.pools[l] * (1 if l is Layout.TP else t) for l in Layout}
-    assert capacity[Layout.DOP] > capacity[Layout.CP] == capacity[Layout.DP] > capacity[Layout.TP]
+    # when the long one reaches the head the batch holds 64 x 3,000 + 4 x 4,096 (the short ones)
+    # - 4 x 3,000 (the four requests they replaced) = 196,384 tokens: every pool holds that, so
+    # every layout, DOP too, leaves the long prompt to the one that runs it fastest
+    assert min(dep.pools[l] * (1 if l is Layout.TP else t) for l in Layout) > 196_384
+    fastest = min((long_run(m) for m in Layout), key=lambda p: p[1])
+    assert fastest[0] == 19  # the group's budget (CP or TP): 300,000 rows in 19 steps, not DOP's 146
     for layout, (cost, _, _) in priced.items():
         # the short prompts arrive one a step, four steps, in this layout
         arrive = StepBatch.make(np.append(batch.context, 2048), np.append(ones, 2048), np.append(batch.owners, 0))
-        # the long one in the layout, of those whose pools hold at least this one's, that runs it fastest
-        n_long, s_long = min((long_run(m) for m in Layout if capacity[m] >= capacity[layout]), key=lambda p: p[1])
-        if layout is Layout.DOP:
-            assert n_long == 146  # nothing else holds what DOP's pool admits: its own slow prefill
+        n_long, s_long = fastest
         seconds = 4 * price(layout, arrive) + s_long + (horizon - 4 - n_long) * price(layout, decode)
         want = seconds / (4 * 2048 + 300_000 + horizon * 64)
+        assert got[layout] == pytest.approx(want, rel=1e-12), layout
+
+
+def test_held_at_runs_counts_the_prompts_ahead_and_the_requests_they_replace():
+    hold = np.array([100, 200, 300])  # mean 200
+    runs = [Arrivals(np.array([10, 20]), np.array([50, 70]), 64, 30, False, True),
+            Arrivals(np.array([9000]), np.array([9500]), 64, 9000, True, True),
+            Arrivals(np.array([5]), np.array([40]), 64, 5, False, False)]
+    got = held_at_runs(hold, np.array([30]), runs)
+    # 600 held + 30 of the free slot; then + 120 - 2 x 200; then + 9,500 - 200
+    assert got.tolist() == [630.0, 350.0, 9650.0]
+    assert held_at_runs(hold, np.zeros(0, np.int64), []).size == 0
+
+
+def test_a_layout_whose_pool_fills_past_the_others_prefills_the_run_itself(dep):
+    policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
+    t = dep.world_size
+    batch = StepBatch.make([3000] * 64, 1, np.arange(64) % t)
+    # the batch holds 7,040,000 tokens (CP's and DP-attention's pools hold 7,522,304 over the group,
+    # DOP's 8,845,312, TP's 1,105,664: TP cannot hold it); four short prompts reserving 300,000 each
+    # enter before a long one, so when it reaches the head the batch holds
+    # 7,040,000 + 4 x 300,000 - 4 x 110,000 = 7,800,000: past CP's and DP-attention's pools
+    hold = np.full(64, 110_000)
+    waiting = Waiting.make([2048] * 4 + [300_000], [300_000] * 4 + [301_000], 64 + 16_384, 64)
+    phase = PhasePrefill(now_rows=0, now_requests=0, later_rows=4 * 2048 + 300_000, later_requests=5)
+    capacity = {l: dep.pools[l] * (1 if l is Layout.TP else t) for l in Layout}
+    assert capacity[Layout.CP] == capacity[Layout.DP] < 7_800_000 < capacity[Layout.DOP]
+    horizon = 200.0
+    priced = policy.admitted_costs(batch, hold, waiting)
+    assert not priced[Layout.TP][0].feasible
+    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    decode = StepBatch.make(batch.context, 1, batch.owners)
+    ones = np.ones(64, dtype=np.int64)
+
+    def price(layout, s):
+        return step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds
+
+    def long_run(layout):
+        chunk = 2056 if layout in (Layout.DP, Layout.DOP) else 16_384
+        step = StepBatch.make(np.append(batch.context, (300_000 + chunk) // 2), np.append(ones, chunk),
+                              np.append(batch.owners, 0))
+        n = -(-300_000 // chunk)
+        return n, n * price(layout, step)
+
+    for layout in (Layout.CP, Layout.DP, Layout.DOP):
+        arrive = StepBatch.make(np.append(batch.context, 2048), np.append(ones, 2048), np.append(batch.owners, 0))
+        if layout is Layout.DOP:
+            n_long, s_long = long_run(Layout.DOP)  # only DOP's pool holds the batch DOP's admission fills
+            assert n_long == 146
+        else:  # CP's and DP-attention's batches stop at their pools (7,522,304): any of the three holds them
+            n_long, s_long = min((long_run(m) for m in (Layout.CP, Layout.DP, Layout.DOP)), key=lambda p: p[1])
+            assert n_long == 19
+        seconds = 4 * price(layout, arrive) + s_long + (horizon - 4 - n_long) * price(layout, decode)
+        want = seconds / (4 * 2048 + 300_000 + horizon * 64)
+        assert got[layout] == pytest.approx(want, rel=1e-12), layout
+
+
+def test_the_free_slots_prompts_split_into_runs_of_one_kind():
+    phase = PhasePrefill(now_rows=9000 + 3 * 500, now_requests=4)
+    # budget 1,064 beside 64 decode rows: 1,000 prefill rows; the fifth prompt is not in a free slot
+    runs = phase.now_runs(np.array([500, 500, 9000, 500, 7]), np.array([1, 2, 3, 4, 5]), 1064, 64)
+    assert [(r.prompt.tolist(), r.reserved.tolist(), r.rows, r.long, r.more) for r in runs] == [
+        ([500, 500], [1, 2], 1000, False, True), ([9000], [3], 9000, True, True), ([500], [4], 500, False, False)]
+    assert all(r.token_budget == 1064 for r in runs)  # no finishing request needed: the full budget
+    assert PhasePrefill(now_rows=5).now_runs(np.array([500]), np.array([1]), 1064, 64) == []
+
+
+def test_a_long_prompt_behind_a_short_one_in_the_free_slots_runs_at_its_own_rate(dep):
+    policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
+    t = dep.world_size
+    batch = StepBatch.make([3000] * 64, 1, np.arange(64) % t)
+    hold = batch.context
+    # two slots free: a 2,048-row prompt, then a 160,000-row one. Priced at the head's step both
+    # would share it (2,048 + 14,336 rows; on owners 2,048 + 2,056); each runs at its own shape
+    waiting = Waiting.make([2048, 160_000], [4096, 161_000], 64 + 16_384, 66)
+    phase = PhasePrefill(now_rows=2048 + 160_000, now_requests=2)
+    horizon = 200.0
+    priced = policy.admitted_costs(batch, hold, waiting)
+    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    decode = StepBatch.make(batch.context, 1, batch.owners)
+    ones = np.ones(64, dtype=np.int64)
+    for layout, (cost, _, _) in priced.items():
+        if not cost.feasible:
+            continue
+        price = lambda s: step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds  # noqa: E731
+        short = StepBatch.make(np.append(batch.context, 2048), np.append(ones, 2048), np.append(batch.owners, 0))
+        chunk, n_long = 16_384, 10  # the group's budget beside the 64 decode rows: ten steps
+        if layout in (Layout.DP, Layout.DOP):
+            chunk, n_long = 2056, 78  # one owner's share: 78 steps
+        long = StepBatch.make(np.append(batch.context, (160_000 + chunk) // 2), np.append(ones, chunk),
+                              np.append(batch.owners, 0))
+        seconds = price(short) + n_long * price(long) + (horizon - 1 - n_long) * price(decode)
+        want = seconds / (2048 + 160_000 + horizon * 64)
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
 
 
