@@ -74,6 +74,10 @@ class WorkerContext:
         return self.groups.world_size
 
 
+START_ATTEMPTS = 3
+"""Starts of a group on fresh rendezvous ports before its port lost to another process is an error."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -94,18 +98,32 @@ class WorkerGroup:
                                "`if __name__ == \"__main__\":` or move the function into a module")
         self.world_size, self.timeout_s = world_size, timeout_s
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        self._answers: queue.Queue = queue.Queue()
-        """(rank, pickled message), or (rank, None) once the rank's socket closed."""
-        argv, env = rank_argv(world_size, free_port(), backend, timeout_s, threads), rank_env()
         self._ranks: list[RankProcess] = []
         self.interrupt = Interrupt(self._ranks)
         """Set by the caller (any thread) to ask the running call to stop early; see ``WorkerContext``."""
         self.progress: dict[int, Any] = {}
         """rank -> the info of its latest heartbeat in the running call (empty between calls)."""
-        self._next_call, self._closed = 0, False
-        self._has_main_file = "--main-path" in argv
+        self._next_call = 0
+        for attempt in range(1, START_ATTEMPTS + 1):
+            # the rendezvous port is free when picked but not held: another process (a second group
+            # starting on this host) can take it before rank 0 listens; then start again on a new one
+            argv = rank_argv(world_size, free_port(), backend, timeout_s, threads)
+            self._has_main_file = "--main-path" in argv
+            try:
+                self._start(argv, rank_env(), start_timeout_s)
+                break
+            except RankFailure as e:
+                if attempt == START_ATTEMPTS or "EADDRINUSE" not in str(e):
+                    raise
+
+    def _start(self, argv: list[str], env: dict, start_timeout_s: float) -> None:
+        """Spawn the ranks on ``argv`` and wait until every one is ready (shut down if one is not)."""
+        self._answers: queue.Queue = queue.Queue()
+        """(rank, pickled message), or (rank, None) once the rank's socket closed."""
+        self._ranks.clear()
+        self._closed = False
         try:
-            for r in range(world_size):
+            for r in range(self.world_size):
                 self._ranks.append(RankProcess(r, argv + ["--rank", str(r)], env, self._answers))
             self._collect("ready", start_timeout_s, what="start")
         except BaseException:

@@ -87,3 +87,49 @@ def test_a_function_and_a_class_from_a_guarded_scripts_main_run_on_the_ranks(tmp
     proc = _python([str(script)], cwd=os.getcwd())
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "POINTS [Point(rank=0, doubled=42), Point(rank=1, doubled=42)]" in proc.stdout
+
+
+def rank_of(ctx):
+    return ctx.rank
+
+
+def _taken_ports(monkeypatch, count: int):
+    """Make the group's next ``count`` rendezvous ports ones a listening socket holds."""
+    import socket
+
+    from splash_rollout.distributed import launch
+
+    held = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held.append(s)
+    ports = [s.getsockname()[1] for s in held]
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: ports.pop(0) if ports else real())
+    return held, ports
+
+
+def test_a_start_whose_port_another_process_took_starts_again_on_a_new_one(monkeypatch):
+    held, ports = _taken_ports(monkeypatch, 1)
+    try:
+        with WorkerGroup(2, timeout_s=30, threads_per_rank=1) as group:
+            assert group.run(rank_of) == [0, 1]
+    finally:
+        for s in held:
+            s.close()
+    assert not ports  # the taken port was tried first
+
+
+def test_a_port_lost_on_every_attempt_is_a_clear_error(monkeypatch):
+    from splash_rollout.distributed import launch
+
+    monkeypatch.setattr(launch, "START_ATTEMPTS", 1)
+    held, _ = _taken_ports(monkeypatch, 1)
+    try:
+        with pytest.raises(RankFailure, match="rank 0 failed to start(.|\n)*EADDRINUSE"):
+            WorkerGroup(2, timeout_s=30, threads_per_rank=1)
+    finally:
+        for s in held:
+            s.close()
