@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                       for b in backends[:-1] for name in systems if f"{name}@{b}" in tps}
     fixed = {k: tps[k] for k in FIXED if k in tps}
     best = max(fixed, key=fixed.get) if fixed else None
+    by_round = {a: r for a in AUTO if (r := _round_ratios(every.get(a, []), every.get(best, [])))}
     result = {
         "tokens_per_s": tps,
         "ratio_auto_vs_best_fixed": tps["auto"] / fixed[best] if "auto" in tps and best else None,
@@ -377,10 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         "best_fixed": best,
         # the same ratios round by round (each round runs every system back to back), and their median:
         # on a machine whose speed drifts over minutes, the pairs are what compare like with like
-        **{f"ratio_{a}_vs_best_fixed_by_round": ratios for a in AUTO
-           if (ratios := _round_ratios(every.get(a, []), every.get(best, [])))},
-        **{f"ratio_{a}_vs_best_fixed_median_of_rounds": float(np.median(ratios)) for a in AUTO
-           if (ratios := _round_ratios(every.get(a, []), every.get(best, [])))},
+        **{f"ratio_{a}_vs_best_fixed_by_round": r for a, r in by_round.items()},
+        **{f"ratio_{a}_vs_best_fixed_median_of_rounds": float(np.median(r)) for a, r in by_round.items()},
         "ratio_auto_vs_transformers": vs_peer["transformers"],
         "ratio_auto_vs_transformers_cb": vs_peer["transformers_cb"],
         "unavailable": unavailable,

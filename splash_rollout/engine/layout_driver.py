@@ -92,7 +92,8 @@ class LayoutDriver:
         signature = (record["requests"], record["rows"], record["prefill_rows"])
         self.policy.observe_step(Layout.parse(record["layout"]), lambda: _executed_batch(scheduled), measured,
                                  signature)
-        if self._observable == evidence and self.steps_in_layout < cfg.min_dwell_steps:
+        if (self._observable == evidence and self.steps_in_layout < cfg.min_dwell_steps
+                and self.policy.correction is not None):
             self.events.ask("measured")  # the stay's evidence is complete: it may end the dwell
         self._policy_s += time.perf_counter() - t0
 
