@@ -91,7 +91,7 @@ def trainer_config(cfg: DictConfig) -> TrainerConfig:
     t = cfg.trainer
     return TrainerConfig(backend=t.backend, zero_stage=t.zero_stage, lr=t.lr, weight_decay=t.weight_decay,
                          betas=tuple(t.betas), grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-                         dist_backend=t.dist_backend)
+                         micro_batch_tokens=t.get("micro_batch_tokens"), dist_backend=t.dist_backend)
 
 
 def sft_config(cfg: DictConfig) -> SFTConfig:

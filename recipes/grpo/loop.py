@@ -151,9 +151,10 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     if restored is not None:
         trainer.load_optimizer_state(restored[1]["optimizer"])
     elif do_sft:
-        sft_summary = run_sft(trainer, tokenizer, data.sft, sft_cfg, cfg.trainer.micro_batch_size,
+        sft_summary = run_sft(trainer, tokenizer, data.sft, sft_cfg, trainer.config.micro_batch_size,
                               log=lambda m, i: log_sft(sink, m, i, rank, cfg.logger.log_sft),
-                              targets=(lambda ex: sft_target(ex, tokenizer, tools)) if tools else None)
+                              targets=(lambda ex: sft_target(ex, tokenizer, tools)) if tools else None,
+                              micro_batch_tokens=trainer.config.micro_batch_tokens)
         if rank == 0 and s.get("save", True):
             torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
         trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
@@ -166,7 +167,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             ref_model, own_reference = copy.deepcopy(trainer.model).eval().requires_grad_(False), True
             if restored is not None:
                 ref_model.load_state_dict(restored[1]["reference"], strict=True)
-    update = UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=cfg.trainer.micro_batch_size,
+    update = UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=trainer.config.micro_batch_size,
+                          micro_batch_tokens=trainer.config.micro_batch_tokens,
                           max_new_tokens=g.max_new_tokens, overlong=g.get("overlong", "keep"),
                           overlong_penalty=float(g.get("overlong_penalty", 1.0)), kl_in=g.get("kl_in", "loss"),
                           shuffle_minibatches=bool(g.get("shuffle_minibatches", False)), seed=int(cfg.seed),
@@ -234,7 +236,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             ref_lp = None
             if ref_model is not None and update.kl_in == "reward":
                 ref_lp = reference_logprobs(ref_model, batch.samples, tokenizer.pad_token_id,
-                                            cfg.trainer.micro_batch_size, trainer.temperature, trainer.device)
+                                            update.micro_batch_size, trainer.temperature, trainer.device,
+                                            update.micro_batch_tokens)
             shaped, shape_stats = shape_rewards(rewards, batch, update, ref_lp)
         advantages = group_advantages(shaped, losses.adv_eps, losses.normalize_std)
         memory: dict[str, float] = {}

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from recipes.grpo.micro_batches import plan_micro_batches
 from recipes.grpo.task_data import Example
 from recipes.grpo.trainer import Trainer, TrainBatch, collate
 
@@ -43,7 +44,8 @@ def nll_loss(normalizer: float) -> Callable[[torch.Tensor, TrainBatch], tuple[to
 
 def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SFTConfig, micro_batch_size: int,
             log: Callable[[dict[str, float], int], None] | None = None,
-            targets: Callable[[Example], tuple[list[int], list[int]]] | None = None) -> dict[str, float]:
+            targets: Callable[[Example], tuple[list[int], list[int]]] | None = None,
+            micro_batch_tokens: int | None = None) -> dict[str, float]:
     """Train on ``prompt ids -> target<eos>`` (``Example.prompt_ids`` as the engine will see them,
     so a chat template's ids are what SFT teaches), cycling through ``examples``; returns the last
     logged loss and the time taken. ``targets(example) -> (ids, loss mask)`` replaces the target
@@ -63,10 +65,11 @@ def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SF
         # token mean over the whole batch (all ranks); gradients are averaged over ranks, hence * world
         normalizer = sum(sum(m) for m in masks) / world
         mine = list(range(rank, len(prompts), world))
-        micro = [collate([prompts[i] for i in mine[k:k + micro_batch_size]],
-                         [responses[i] for i in mine[k:k + micro_batch_size]], tokenizer.pad_token_id,
-                         response_mask=[masks[i] for i in mine[k:k + micro_batch_size]])
-                 for k in range(0, len(mine), micro_batch_size)]
+        plan = plan_micro_batches([len(prompts[i]) + len(responses[i]) for i in mine], micro_batch_size,
+                                  micro_batch_tokens)
+        micro = [collate([prompts[mine[j]] for j in ids], [responses[mine[j]] for j in ids], tokenizer.pad_token_id,
+                         response_mask=[masks[mine[j]] for j in ids])
+                 for ids in plan]
         trainer.set_lr(lr_at(step, config))
         stats = trainer.optimizer_step(micro, nll_loss(normalizer), temperature=1.0)
         if log is not None and (step % config.log_every == 0 or step == config.steps - 1):

@@ -41,6 +41,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 64
     """Sequences per forward/backward on one rank."""
+    micro_batch_tokens: int | None = None
+    """Padded tokens (sequences x the longest) per forward/backward on one rank; None: no token cap
+    (``micro_batches.plan_micro_batches``)."""
     dist_backend: str = "auto"
     """auto: nccl when CUDA is available, else gloo."""
 
@@ -51,6 +54,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.zero_stage: expected 0, 1 or 2 (3 shards parameters), got {self.zero_stage}")
         if self.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size: expected >= 1, got {self.micro_batch_size}")
+        t = self.micro_batch_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"trainer.micro_batch_tokens: expected an integer >= 1 or null, got {t!r}")
 
 
 def resolve_dist_backend(name: str) -> str:

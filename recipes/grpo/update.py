@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, token_logprobs
+from recipes.grpo.micro_batches import plan_micro_batches
 from recipes.grpo.routing_replay import replay_table
 from recipes.grpo.trainer import Trainer, collate
 from splash_rollout.rollout.types import RolloutBatch, Sample
@@ -27,6 +28,8 @@ class UpdateConfig:
     loss: GRPOLossConfig
     minibatches: int = 1
     micro_batch_size: int = 32
+    micro_batch_tokens: int | None = None
+    """Padded tokens per micro-batch (count x longest sequence; None: ``micro_batch_size`` alone)."""
     max_new_tokens: int = 1
     """Dr. GRPO's constant normalizer."""
     overlong: str = "keep"
@@ -44,19 +47,24 @@ def _response_mask(s: Sample, overlong: str) -> list[int]:
     return [0] * len(s.response_ids) if overlong == "mask" and s.finish_reason == "length" else s.loss_mask
 
 
+def _seq_len(s: Sample) -> int:
+    return len(s.prompt_ids) + len(s.response_ids)
+
+
 def reference_logprobs(ref_model: torch.nn.Module, samples: list[Sample], pad_id: int, micro_batch_size: int,
-                       temperature: float, device: torch.device) -> list[torch.Tensor]:
-    """Per sample, [num_response_tokens] float32 log p_ref of its response tokens."""
-    out: list[torch.Tensor] = []
-    for k in range(0, len(samples), micro_batch_size):
-        chunk = samples[k:k + micro_batch_size]
+                       temperature: float, device: torch.device,
+                       micro_batch_tokens: int | None = None) -> list[torch.Tensor]:
+    """Per sample (in ``samples`` order), [num_response_tokens] float32 log p_ref of its response tokens."""
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for ids in plan_micro_batches([_seq_len(s) for s in samples], micro_batch_size, micro_batch_tokens):
+        chunk = [samples[i] for i in ids]
         mb = collate([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id)
         with torch.no_grad():
             logits = ref_model(mb.input_ids.to(device), mb.attention_mask.to(device))[:, :-1]
             lp = token_logprobs(logits, mb.targets.to(device), temperature).cpu()
-        for i, s in enumerate(chunk):
+        for row, (i, s) in enumerate(zip(ids, chunk)):
             start = len(s.prompt_ids) - 1
-            out.append(lp[i, start:start + len(s.response_ids)])
+            out[i] = lp[row, start:start + len(s.response_ids)]
     return out
 
 
@@ -100,10 +108,11 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
         trained = [i for i in idx if sum(masks[i])]
         normalizer = step_normalizer([sum(masks[i]) for i in trained], loss_cfg.loss_agg, config.max_new_tokens,
                                      trainer.world_size)
-        mine = sorted(idx[trainer.rank::trainer.world_size], key=lambda i: len(samples[i].response_ids))
+        mine = idx[trainer.rank::trainer.world_size]
         micro = []
-        for k in range(0, len(mine), config.micro_batch_size):
-            ids = mine[k:k + config.micro_batch_size]
+        for plan in plan_micro_batches([_seq_len(samples[i]) for i in mine], config.micro_batch_size,
+                                       config.micro_batch_tokens):
+            ids = [mine[j] for j in plan]
             chunk = [samples[i] for i in ids]
             per_sample = {"advantages": [adv[i] for i in ids]}
             if loss_cfg.loss_agg == "seq_mean":
