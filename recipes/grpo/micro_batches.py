@@ -8,6 +8,13 @@ taken shortest first and a micro-batch is closed when one more sequence would ex
 of verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``. A sequence longer than the budget
 gets a micro-batch of its own.
 
+With more than one rank, every rank runs the same number of micro-batches: ZeRO-2 reduces
+gradients at every backward, so a rank with one backward more than another would leave the
+collectives out of step. Each rank plans every rank's share (the batch is the same on all of them),
+and a rank whose plan is shorter than the longest splits its micro-batches with the most padded
+tokens; one with fewer sequences than micro-batches to run gets empty ones, which the caller runs
+with nothing to train (a zero loss mask).
+
 The split changes only how the gradient is accumulated, not what it is: every loss in this recipe
 divides by a normaliser of the whole optimizer step (``loss.step_normalizer``), never by a
 micro-batch's own size.
@@ -38,6 +45,29 @@ def plan_micro_batches(seq_lens: Sequence[int], max_seqs: int, max_tokens: int |
     if current:
         plan.append(current)
     return plan
+
+
+def plan_rank_micro_batches(seq_lens: Sequence[int], rank: int, world_size: int, max_seqs: int,
+                            max_tokens: int | None = None) -> list[list[int]]:
+    """``seq_lens`` [N] of the whole batch (the same on every rank), of which ``rank`` trains
+    positions ``rank::world_size`` -> this rank's micro-batches as positions into ``seq_lens``, as
+    many as the rank with the most (an empty list: a micro-batch with nothing to train)."""
+    plans = []
+    for r in range(world_size):
+        share = list(range(r, len(seq_lens), world_size))
+        plans.append([[share[j] for j in mb] for mb in
+                      plan_micro_batches([seq_lens[i] for i in share], max_seqs, max_tokens)])
+    count = max(len(p) for p in plans)
+    own = plans[rank]
+    while len(own) < count:
+        splittable = [k for k, mb in enumerate(own) if len(mb) > 1]
+        if not splittable:
+            own.append([])
+            continue
+        k = max(splittable, key=lambda k: len(own[k]) * max(seq_lens[i] for i in own[k]))
+        half = len(own[k]) // 2
+        own[k:k + 1] = [own[k][:half], own[k][half:]]
+    return own
 
 
 def padded_tokens(seq_lens: Sequence[int], plan: Sequence[Sequence[int]]) -> int:

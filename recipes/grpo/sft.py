@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from recipes.grpo.micro_batches import plan_micro_batches
+from recipes.grpo.micro_batches import plan_rank_micro_batches
 from recipes.grpo.task_data import Example
 from recipes.grpo.trainer import Trainer, TrainBatch, collate
 
@@ -64,11 +64,11 @@ def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SF
             responses, masks = map(list, zip(*(targets(ex) for ex in rows)))
         # token mean over the whole batch (all ranks); gradients are averaged over ranks, hence * world
         normalizer = sum(sum(m) for m in masks) / world
-        mine = list(range(rank, len(prompts), world))
-        plan = plan_micro_batches([len(prompts[i]) + len(responses[i]) for i in mine], micro_batch_size,
-                                  micro_batch_tokens)
-        micro = [collate([prompts[mine[j]] for j in ids], [responses[mine[j]] for j in ids], tokenizer.pad_token_id,
-                         response_mask=[masks[mine[j]] for j in ids])
+        # every rank runs as many micro-batches as the rank with the most; an empty one trains nothing
+        plan = plan_rank_micro_batches([len(p) + len(r) for p, r in zip(prompts, responses)], rank, world,
+                                       micro_batch_size, micro_batch_tokens)
+        micro = [collate([prompts[i] for i in ids or [0]], [responses[i] for i in ids or [0]], tokenizer.pad_token_id,
+                         response_mask=[masks[i] for i in ids] if ids else [[0] * len(masks[0])])
                  for ids in plan]
         trainer.set_lr(lr_at(step, config))
         stats = trainer.optimizer_step(micro, nll_loss(normalizer), temperature=1.0)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, token_logprobs
-from recipes.grpo.micro_batches import plan_micro_batches
+from recipes.grpo.micro_batches import plan_micro_batches, plan_rank_micro_batches
 from recipes.grpo.routing_replay import replay_table
 from recipes.grpo.trainer import Trainer, collate
 from splash_rollout.rollout.types import RolloutBatch, Sample
@@ -108,17 +108,18 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
         trained = [i for i in idx if sum(masks[i])]
         normalizer = step_normalizer([sum(masks[i]) for i in trained], loss_cfg.loss_agg, config.max_new_tokens,
                                      trainer.world_size)
-        mine = idx[trainer.rank::trainer.world_size]
         micro = []
-        for plan in plan_micro_batches([_seq_len(samples[i]) for i in mine], config.micro_batch_size,
-                                       config.micro_batch_tokens):
-            ids = [mine[j] for j in plan]
+        for plan in plan_rank_micro_batches([_seq_len(samples[i]) for i in idx], trainer.rank, trainer.world_size,
+                                            config.micro_batch_size, config.micro_batch_tokens):
+            # an empty plan (this rank has fewer samples than another has micro-batches) runs a
+            # sample with nothing to train, so every rank makes the same number of backward passes
+            ids = [idx[j] for j in plan] or idx[:1]
             chunk = [samples[i] for i in ids]
-            per_sample = {"advantages": [adv[i] for i in ids]}
+            per_sample = {"advantages": [adv[i] if plan else 0.0 for i in ids]}
             if loss_cfg.loss_agg == "seq_mean":
                 per_sample["weights"] = [sample_weight(sum(masks[i]), "seq_mean") for i in ids]
             mb = collate([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id,
-                         response_mask=[masks[i] for i in ids],
+                         response_mask=[masks[i] if plan else [0] * len(masks[i]) for i in ids],
                          per_token={"old_logprobs": [s.response_logprobs for s in chunk],
                                     "on_policy": [[float(v == policy_version) for v in s.versions] if
                                                   policy_version is not None else [1.0] * len(s.response_ids)

@@ -138,3 +138,49 @@ def test_plain_torch_trainer_on_two_ranks_keeps_the_replicas_in_step(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["grpo_step"] for l in lines] == [0, 1, 2]
     assert all(l["train/logprob_diff_max"] <= 1e-6 for l in lines), [l["train/logprob_diff_max"] for l in lines]
+
+
+UNEVEN = ([[5, 6, 7], [40, 41], [13, 14, 15], [50, 51]],
+          [[8, 9, 10, 11, 12, 16, 17, 18, 19, 20], [42, 43], [21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [52]])
+"""(prompts, responses) of 4 samples: rank 0 trains samples 0 and 2 (13 tokens each), rank 1 samples
+1 and 3 (4 and 3 tokens). Under a 16-token budget rank 0 needs two micro-batches, rank 1 one."""
+
+
+def _zero2_uneven_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from recipes.grpo.micro_batches import plan_rank_micro_batches
+    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.models.config import PRESETS
+    from splash_rollout.models.model import MLAForCausalLM
+
+    trainer = Trainer(MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0),
+                      TrainerConfig(backend="deepspeed", zero_stage=2, lr=1e-3), rank=rank, world_size=2)
+    prompts, responses = UNEVEN
+    plan = plan_rank_micro_batches([len(p) + len(r) for p, r in zip(*UNEVEN)], rank, 2, max_seqs=8, max_tokens=16)
+    micro = [collate([prompts[i] for i in ids], [responses[i] for i in ids], pad_id=2) for ids in plan]
+    normalizer = sum(len(r) for r in responses) / 2
+    stats = trainer.optimizer_step(micro, _global_token_mean_loss(normalizer), 1.0)
+    torch.save({"grad_norm": stats["grad_norm"], "micro_batches": len(micro)}, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_zero2_ranks_run_as_many_micro_batches_under_a_token_budget(tmp_path):
+    """ZeRO-2 reduces gradients at every backward, so the rank whose share fits one micro-batch splits
+    it to match the other's two; the step is then the one-rank step of the whole batch."""
+    import torch.multiprocessing as mp
+
+    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.distributed.launch import free_port
+    from splash_rollout.models.config import PRESETS
+    from splash_rollout.models.model import MLAForCausalLM
+
+    out = str(tmp_path / "w")
+    mp.spawn(_zero2_uneven_rank, args=(free_port(), out), nprocs=2, join=True)
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert [g["micro_batches"] for g in got] == [2, 2]
+    ref = Trainer(MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=0), TrainerConfig(backend="torch", lr=1e-3))
+    stats = ref.optimizer_step([collate(*UNEVEN, pad_id=2)],
+                               _global_token_mean_loss(sum(len(r) for r in UNEVEN[1])), 1.0)
+    assert got[0]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-4)

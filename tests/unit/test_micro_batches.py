@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipes.grpo.micro_batches import padded_tokens, plan_micro_batches
+from recipes.grpo.micro_batches import padded_tokens, plan_micro_batches, plan_rank_micro_batches
 
 
 @settings(max_examples=200, deadline=None)
@@ -22,6 +22,30 @@ def test_plan_covers_each_sequence_once_within_the_limits(lens, max_seqs, max_to
         assert 1 <= len(mb) <= max_seqs
         if max_tokens is not None and len(mb) > 1:
             assert len(mb) * max(lens[i] for i in mb) <= max_tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=0, max_size=40), st.integers(1, 4), st.integers(1, 8),
+       st.one_of(st.none(), st.integers(1, 1500)))
+def test_every_rank_runs_as_many_micro_batches(lens, world, max_seqs, max_tokens):
+    """ZeRO-2 reduces at every backward: the ranks' micro-batch counts must agree, and together they
+    still train each sequence exactly once, each rank its own share, within the limits."""
+    plans = [plan_rank_micro_batches(lens, r, world, max_seqs, max_tokens) for r in range(world)]
+    assert len({len(p) for p in plans}) == 1
+    assert sorted(i for p in plans for mb in p for i in mb) == list(range(len(lens)))
+    for r, plan in enumerate(plans):
+        for mb in plan:
+            assert all(i % world == r for i in mb) and len(mb) <= max_seqs
+            if max_tokens is not None and len(mb) > 1:
+                assert len(mb) * max(lens[i] for i in mb) <= max_tokens
+
+
+def test_a_short_rank_splits_then_pads_with_empty_micro_batches():
+    # rank 0 holds 4 long sequences (4 micro-batches of one under the budget), rank 1 four short ones
+    lens = [100, 10, 100, 10, 100, 10, 100, 10]
+    assert [len(mb) for mb in plan_rank_micro_batches(lens, 0, 2, 8, max_tokens=150)] == [1, 1, 1, 1]
+    assert [len(mb) for mb in plan_rank_micro_batches(lens, 1, 2, 8, max_tokens=150)] == [1, 1, 1, 1]
+    assert plan_rank_micro_batches([10, 10, 500], 1, 2, 1) == [[1], []]
 
 
 def test_a_token_budget_cuts_the_padding_of_a_heavy_tail():
