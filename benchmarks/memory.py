@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2, help="torch threads in this process")
+    ap.add_argument("--budget-mib", type=float, default=None,
+                    help="layouts: per-rank budget for attention weights + KV in MiB (default 4; quick 2)")
     ap.add_argument("--prompts", type=int, default=None,
                     help="prompts per workload instead of each part's default (pools scale with it)")
     args = ap.parse_args(argv)
@@ -279,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
                             **({"pool_tokens": int(p["pool_tokens"] * scale[part]) // PAGE_SIZE * PAGE_SIZE}
                                if "pool_tokens" in p else {"budget_gib": p["budget_gib"]}))
                  for part, p in sizes.items()}
+    if args.budget_mib is not None:
+        if args.budget_mib <= 0:
+            ap.error(f"--budget-mib: expected a positive number of MiB, got {args.budget_mib}")
+        sizes = {**sizes, "layouts": dict(sizes["layouts"], budget_gib=args.budget_mib / 1024)}
     result = {"model": MODEL, "page_size": PAGE_SIZE, "quick": args.quick, "seed": args.seed,
               "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs}
     for part in parts:
