@@ -230,6 +230,8 @@ def run_layout(layout: str, work: dict, p: dict, args) -> dict:
             "pressure_switches": m["layout/pressure_switches"],
             "time_share": {k.split("/")[-1]: v for k, v in m.items() if k.startswith("layout/time_share/")},
             "pressure_decisions": [d["reason"] for d in tl.decisions if d.get("logged") == "pressure"][:4],
+            "decisions": [{k: d.get(k) for k in ("step", "logged", "chosen", "reason", "admitted", "seconds_per_token")}
+                          for d in tl.decisions if d.get("logged") != "pressure"][:8],
             "response_len": lengths(got)}
 
 

@@ -177,6 +177,7 @@ class LayoutDriver:
         return True
 
     def _consult_policy(self, layout: Layout, step: int, scheduler: Scheduler, event: str) -> None:
+        from splash_rollout.scheduling.phase import prefill_in_phase
         from splash_rollout.scheduling.policy import Waiting
 
         running = self._priced(scheduler)
@@ -190,9 +191,13 @@ class LayoutDriver:
                                scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         first = not self.decision_log
         measured = min(self._observable, self.policy.config.dwell_evidence_steps)  # all fed, up to there
-        decision = self.policy.decide(None if first else layout, batch, self._remaining(running + queued),
-                                      self.steps_in_layout, self._hold(scheduler, running), waiting,
-                                      measured_steps=measured)
+        residual = self._remaining(running + queued)
+        # the phase ahead, as the simulator describes its own: the running prefills and the free
+        # slots' prompts now, the prompts that enter as requests finish within the horizon later
+        phase = prefill_in_phase([r.num_uncomputed_tokens for r in running if r.in_prefill], residual[: len(running)],
+                                 waiting.prompt, scheduler.max_num_seqs, self.policy.config.horizon_quantile)
+        decision = self.policy.decide(None if first else layout, batch, residual, self.steps_in_layout,
+                                      self._hold(scheduler, running), waiting, phase, measured_steps=measured)
         # the timeline keeps the first call, every switch, and a checkpoint each time the batch the
         # policy priced has fallen to half its peak since the last kept one (a call's first decision
         # sees the queue's first admissions, not the batch they grow into): a draining group shows,

@@ -82,3 +82,15 @@ def residual_tokens(generated, max_new, stopped_lengths, censored_lengths=(), mi
     t_star = t_max + np.log(1.0 / np.minimum(frac, 1.0)) / h if h > 0 else np.full(g.shape, np.inf)
     tail = np.ceil(np.minimum(t_star - g, cap) - 1e-9).astype(np.int64)  # g <= t_max: ages are observations
     return np.where(found, np.minimum(residual, cap), np.clip(tail, 0, cap))
+
+
+def quantile(values: np.ndarray, q: float) -> float:
+    """``np.quantile(values, q)`` (linear interpolation) of a [B] array, 0 when empty, without
+    np.quantile's per-call overhead (a tenth of a decision's time at small B)."""
+    if not values.size:
+        return 0.0
+    v = np.sort(values)
+    pos = q * (v.size - 1)
+    lo = int(pos)
+    hi = min(lo + 1, v.size - 1)
+    return float(v[lo] + (v[hi] - v[lo]) * (pos - lo))

@@ -8,7 +8,7 @@ enters as the batch finishes: the free slots' prompts now, then one per finishin
 over the horizon, in runs of short prompts (one step's budget holds them) and long ones (prefilled
 in full-budget chunks). This file owns that split (``PhasePrefill``), the runs and the queue one
 phase step admits each from (``PhasePrefill.arrival_runs``; the free slots' prompts split the same
-way, ``PhasePrefill.now_runs``), what the batch holds as each run
+way, one run per kind, ``PhasePrefill.now_runs``; which prompts are in the phase: ``prefill_in_phase``), what the batch holds as each run
 reaches the head (``held_at_runs``: who can take a run over), and the step shapes of layouts that
 prefill on owners (``owner_capped``, ``owner_pieces``) or over a long prompt's growing context
 (``mid_prefill``).
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from splash_rollout.scheduling.cost_model import StepBatch
+from splash_rollout.scheduling.horizon import quantile
 
 
 @dataclass(frozen=True)
@@ -101,22 +102,23 @@ class PhasePrefill:
         return Arrivals(prompt[:n], reserved[:n], budget, rows, bool(long[0]), n < prompt.size)
 
     def now_runs(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int) -> list[Arrivals]:
-        """The free slots' prompts (the queue's first ``now_requests``) in FIFO runs of one kind, as
-        ``next_arrivals`` splits the later ones: a long prompt among them is prefilled in
-        full-budget chunks however many short ones precede it, and short ones behind a long one go
-        in full-budget steps of their own -- not all at the step shape of the queue's head. They
-        need no finishing request to enter, so every run is at the full ``token_budget``. Their
+        """The free slots' prompts (the queue's first ``now_requests``) in one run per kind, as
+        ``next_arrivals`` tells them apart: the long ones are prefilled in full-budget chunks
+        however many short ones precede them, and the short ones go in full-budget steps of their
+        own -- not all at the step shape of the queue's head. They need no finishing request to
+        enter, so every run is at the full ``token_budget``, and which kind comes between two
+        prompts of the other does not change the steps they take: one run per kind (FIFO within
+        it, the kind at the queue's head first) prices a mixed queue of thousands in two. Their
         rows are part of ``now_rows``; the rest of ``now_rows`` is the running prefills'."""
         room = token_budget - running
         prompt, reserved = prompt[: self.now_requests], reserved[: self.now_requests]
         if not prompt.size or room < 1:
             return []
         long = prompt > room
-        edges = np.flatnonzero(long[1:] != long[:-1]) + 1  # where one kind gives way to the other
-        starts, stops = [0, *edges.tolist()], [*edges.tolist(), prompt.size]
-        return [Arrivals(prompt[a:b], reserved[a:b], token_budget, int(prompt[a:b].sum()), bool(long[a]),
-                         b < prompt.size or self.later_requests > 0)
-                for a, b in zip(starts, stops)]
+        kinds = [bool(long[0])] + ([not long[0]] if (long != long[0]).any() else [])
+        return [Arrivals(prompt[long == k], reserved[long == k], token_budget, int(prompt[long == k].sum()), k,
+                         i + 1 < len(kinds) or self.later_requests > 0)
+                for i, k in enumerate(kinds)]
 
     def arrival_runs(self, prompt: np.ndarray, reserved: np.ndarray, token_budget: int, running: int,
                      horizon: float) -> list[Arrivals]:
@@ -203,3 +205,25 @@ def mid_prefill(step: StepBatch, first: int, prompt: np.ndarray) -> StepBatch:
     q = step.query_rows[first:]
     context[first:] = np.maximum(context[first:], (prompt[: q.size] + q) // 2)
     return StepBatch.make(context, step.query_rows, step.owners, step.sampling_rows, step.prefill_done)
+
+
+def prefill_in_phase(running_left: np.ndarray, running_residual: np.ndarray, queued_prompt: np.ndarray,
+                     max_running: int, q: float) -> PhasePrefill:
+    """Prompt rows the group prefills over the policy's horizon, by when they can start: now, what
+    the running requests still have to prefill and the queue's head in the free slots; later, the
+    prompts of the queued requests that enter one per running request that finishes within the
+    horizon (its residual at most the horizon). The queue behind those waits for a later phase: a
+    draining queue of thousands of prompts enters as the batch turns over, not all within the
+    horizon, and not all in this step's free slots. The engine's driver and the simulator both
+    describe their phase with it.
+
+    running_left: [P] rows the running prefills have left; running_residual: [B] residual decode steps
+    per running request; queued_prompt: [W] prompt rows of the queue, FCFS; max_running: most
+    requests running at once; q: the horizon's quantile of the running residuals."""
+    running_left, running_residual = np.asarray(running_left), np.asarray(running_residual)
+    queued_prompt = np.asarray(queued_prompt, dtype=np.int64)
+    horizon = quantile(running_residual, q)
+    free = min(max(max_running - running_residual.size, 0), queued_prompt.size)
+    later = min(int((running_residual <= horizon).sum()), queued_prompt.size - free)
+    return PhasePrefill(int(running_left.sum() + queued_prompt[:free].sum()), free,
+                        int(queued_prompt[free:free + later].sum()), later)

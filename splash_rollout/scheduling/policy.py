@@ -48,6 +48,7 @@ from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
 from splash_rollout.layout.layouts import Ownership
 from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
 from splash_rollout.scheduling.deployment import Deployment
+from splash_rollout.scheduling.horizon import quantile as _quantile
 from splash_rollout.scheduling.phase import PhasePrefill, held_at_runs, owner_pieces, prefill_step
 from splash_rollout.scheduling.online import GROUPS, StepTimeCorrection, stage_groups, step_shape
 from splash_rollout.scheduling.switch_cost import SwitchCost, layer_transfer_seconds, overlapped_seconds
@@ -141,18 +142,6 @@ class Decision:
                 "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in self.seconds_per_token.items()},
                 "prior_step_costs": {k: (None if math.isinf(v) else v) for k, v in self.prior_step_costs.items()},
                 "correction": self.correction}
-
-
-def _quantile(values: np.ndarray, q: float) -> float:
-    """``np.quantile(values, q)`` (linear interpolation) of a [B] array, 0 when empty, without
-    np.quantile's per-call overhead (a tenth of a decision's time at small B)."""
-    if not values.size:
-        return 0.0
-    v = np.sort(values)
-    pos = q * (v.size - 1)
-    lo = int(pos)
-    hi = min(lo + 1, v.size - 1)
-    return float(v[lo] + (v[hi] - v[lo]) * (pos - lo))
 
 
 def choose_owner(projected_tokens_per_rank, new_request_tokens: int = 0) -> int:
@@ -386,8 +375,11 @@ class LayoutPolicy:
           smaller pools and every layout prices the run the same way; a layout whose larger pool
           admission fills (DOP's, past CP's) prefills it itself;
         * the steps of the horizon left after the prefill steps run the batch decoding, one row per
-          request (at the current context). A layout whose prefill outlasts the horizon pays for
-          all of it: the work is the same for every layout, the time is its own.
+          request (at the current context). A call's first decision, with nothing running, decodes
+          a row a step for each request the phase admits now, in steps of the batch the layout's
+          pool keeps running (``_kept_running``): where pools bind, the layout that holds more of
+          the queue decodes the same rows in fewer, wider steps. A layout whose prefill outlasts
+          the horizon pays for all of it: the work is the same for every layout, the time is its own.
 
         A layout that prefills on owners (DP-attention, DOP) runs at most its budget / T rows per
         owner a step -- a long prompt on one owner at that rate -- and an admitted prompt's chunk is
@@ -396,6 +388,13 @@ class LayoutPolicy:
         phase = prefill if isinstance(prefill, PhasePrefill) else PhasePrefill(int(prefill))
         decode = StepBatch.make(np.maximum(batch.context, 1), np.ones(batch.size, dtype=np.int64), batch.owners)
         hold = batch.context if hold is None else hold
+        # the decode work every layout is priced on: a row a step over the horizon for each running
+        # request, in steps of the batch. A call's first decision has nothing running: the work is
+        # a row a step for each request the phase admits now, and each layout runs it in steps of
+        # the batch its own pool keeps running (where pools bind, the larger one's steps are wider)
+        width = batch.size or phase.now_requests
+        kept = {l: decode if batch.size else self._kept_running(l, batch, hold, waiting)
+                for l, (cost, _, _) in priced.items() if cost.feasible}
         runs = [] if waiting is None else phase.arrival_runs(waiting.prompt, waiting.reserved, waiting.token_budget,
                                                              batch.size, horizon)
         # the free slots' prompts in runs of one kind, each at its own full-budget step; the rows
@@ -405,9 +404,10 @@ class LayoutPolicy:
             phase.now_runs(waiting.prompt, waiting.reserved, waiting.token_budget, batch.size)
         running_rows = phase.now_rows - sum(r.rows for r in now_runs)
         out, parts, dec_s = {}, {}, {}
+        decoding = int(np.count_nonzero(batch.query_rows <= 1))  # running requests that decode, one row each
         rows = phase.now_rows + sum(r.rows for r in runs)
         for l, (cost, step, _) in priced.items():
-            if not cost.feasible or batch.size == 0:
+            if not cost.feasible or not width:
                 out[l] = cost.seconds / max(1, step.rows)
                 continue
             cap = 0  # rows one owner prefills a step (0: the group's budget, not per owner)
@@ -422,7 +422,7 @@ class LayoutPolicy:
                 step = prefill_step(step, step.size, np.zeros(0, np.int64), cap)
             if step is not priced[l][1]:
                 cost = self._price(l, step)
-            pre_rows = int(step.query_rows[step.query_rows > 1].sum())
+            pre_rows = step.rows - decoding  # the prefill rows (a one-row prompt is one too)
             n_now = math.ceil(running_rows / pre_rows) if pre_rows and running_rows > 0 else 0
             parts[l] = [(n_now, n_now * cost.seconds)]  # (steps, seconds) of the now rows, then of each run
             for k, later in enumerate(now_runs + runs):
@@ -432,10 +432,12 @@ class LayoutPolicy:
                 queue = Waiting(prompt, reserved, later.token_budget, decode.size + prompt.size)
                 arrive, _, _ = admit(l, decode, decode.context, queue, 1 << 62, d.world_size, d.page_size)
                 arrive = prefill_step(arrive, decode.size, prompt, cap)
-                a_rows = int(arrive.query_rows[arrive.query_rows > 1].sum())
+                a_rows = arrive.rows - decode.size
                 n = math.ceil(later.rows / a_rows) if a_rows else math.inf
                 parts[l].append((n, n * self._price(l, arrive).seconds))
-            dec_s[l] = self._price(l, decode).seconds
+            # the decode rows at this layout's rate: ``width`` rows a step of work, run in steps of
+            # ``kept[l]`` (fewer rows than ``width`` where a first decision's pool binds)
+            dec_s[l] = self._price(l, kept[l]).seconds * width / max(1, kept[l].size)
         capacity = {l: d.pools.get(l, 0) * (1 if l.ownership is Ownership.EVERY else d.world_size)
                     for l in parts}
         now_reserved = waiting.reserved[: phase.now_requests] if waiting is not None else np.zeros(0, np.int64)
@@ -453,8 +455,20 @@ class LayoutPolicy:
                 out[l] = math.inf
                 continue
             n_dec = max(horizon - steps, 0.0)
-            out[l] = (seconds + (n_dec * dec_s[l] if n_dec else 0.0)) / (rows + max(horizon, 1.0) * batch.size)
+            out[l] = (seconds + (n_dec * dec_s[l] if n_dec else 0.0)) / (rows + max(horizon, 1.0) * width)
         return out
+
+    def _kept_running(self, layout: Layout, batch: StepBatch, hold: np.ndarray, waiting: Waiting | None) -> StepBatch:
+        """The decode step ``layout`` runs once its pool is full: ``batch`` and the head of the queue
+        its pool admits (FIFO, at the queue's reservations, up to ``waiting.max_seqs``; every prompt
+        prefilled), one row each. In the wide phase the queue keeps that batch running, so a layout
+        whose pool holds more decodes more requests a step; without a queue it is ``batch``."""
+        step = batch
+        if waiting is not None and waiting.prompt.size:
+            unbounded = Waiting(waiting.prompt, waiting.reserved, 1 << 62, waiting.max_seqs)
+            step, _, _ = admit(layout, batch, hold, unbounded, self.dep.pools.get(layout, 0), self.dep.world_size,
+                               self.dep.page_size)
+        return StepBatch.make(np.maximum(step.context, 1), np.ones(step.size, dtype=np.int64), step.owners)
 
     def decide(self, current: Layout | None, batch: StepBatch, remaining_tokens, steps_in_layout: int = 0,
                reserved=None, waiting: Waiting | None = None, prefill_left: int | PhasePrefill | None = None,
@@ -479,7 +493,11 @@ class LayoutPolicy:
         horizon = _quantile(rem, cfg.horizon_quantile)
         # compare layouts on the same amount of work: seconds for the reference step's rows
         ref_rows = rows[current] if current in feasible else max((rows[l] for l in feasible), default=1)
-        if cfg.price_phase:
+        # a call's first decision, nothing running yet, chooses the layout of the wide phase: it is
+        # priced over that phase whatever the config (one step's admissions are prefill rows, at
+        # much the same price per row in every layout, and say nothing of how many requests each
+        # pool then keeps decoding)
+        if cfg.price_phase or (current is None and batch.size == 0 and waiting is not None):
             if prefill_left is None:
                 prefill_left = int(batch.query_rows[batch.query_rows > 1].sum()) + (
                     int(waiting.prompt.sum()) if waiting is not None else 0)

@@ -36,7 +36,7 @@ from splash_rollout.layout import Layout, fits
 from splash_rollout.layout.fit import rank_demand
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, choose_owner, step_time
 from splash_rollout.scheduling.horizon import residual_tokens
-from splash_rollout.scheduling.phase import PhasePrefill
+from splash_rollout.scheduling.phase import prefill_in_phase
 from splash_rollout.scheduling.policy import Waiting
 
 ADAPTIVE = "adaptive"
@@ -250,24 +250,6 @@ def _horizon(st: _Run, idx: np.ndarray) -> np.ndarray:
     return residual_tokens(st.generated[idx], w.max_new[idx], *st.ended)
 
 
-def _prefill_in_phase(running_left: np.ndarray, running_residual: np.ndarray, queued_prompt: np.ndarray,
-                      max_running: int, quantile: float) -> PhasePrefill:
-    """Prompt rows the group prefills over the policy's horizon, by when they can start: now, what
-    the running requests still have to prefill and the queue's head in the free slots; later, the
-    prompts of the queued requests that enter one per running request that finishes within the
-    horizon (its residual at most the horizon). The queue behind those waits for a later phase: a
-    draining queue of thousands of prompts enters as the batch turns over, not all within the
-    horizon, and not all in this step's free slots.
-
-    running_left: [P] rows the running prefills have left; running_residual: [B] residual decode steps
-    per running request; queued_prompt: [W] prompt rows of the queue, FCFS."""
-    horizon = float(np.quantile(running_residual, quantile)) if running_residual.size else 0.0
-    free = min(max(max_running - running_residual.size, 0), queued_prompt.size)
-    later = min(int((running_residual <= horizon).sum()), queued_prompt.size - free)
-    return PhasePrefill(int(running_left.sum() + queued_prompt[:free].sum()), free,
-                        int(queued_prompt[free:free + later].sum()), later)
-
-
 def _rows(st: _Run, layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The running requests' rows this step in ``layout``: (run [B], rows left [B], prefilling [B] bool,
     query rows [B]). A request with one row left decodes (that row samples its next token)."""
@@ -337,8 +319,8 @@ def simulate(work: Workload, dep: Deployment, mode: Layout | str, cfg: SimConfig
                                            cfg.chunk_tokens, cfg.max_running)
                     residual = _horizon(st, np.concatenate([run, queued]))
                     d = policy.decide(layout, batch, residual, in_layout, st.expected[run], waiting,
-                                      _prefill_in_phase(left[pre], residual[: run.size], waiting.prompt,
-                                                        cfg.max_running, cfg.policy.horizon_quantile))
+                                      prefill_in_phase(left[pre], residual[: run.size], waiting.prompt,
+                                                       cfg.max_running, cfg.policy.horizon_quantile))
                     cause = "policy"
                 if d.switch:
                     now += d.switch_cost_s

@@ -8,13 +8,21 @@ import pytest
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, step_time
 from splash_rollout.scheduling.phase import (Arrivals, PhasePrefill, held_at_runs, mid_prefill, owner_capped,
-                                             owner_pieces)
+                                             owner_pieces, prefill_step)
 from splash_rollout.scheduling.policy import Waiting, admit
 
 
 @pytest.fixture(scope="module")
 def dep():
     return Deployment.build("glm-5", "b200")
+
+
+def kept_decode(dep, layout, batch, hold, waiting):
+    """The decode step ``layout`` keeps running once its pool has taken the queue's head (every
+    prompt prefilled), one row per request: the phase's decode rows run in steps of this batch."""
+    unbounded = Waiting.make(waiting.prompt, waiting.reserved, 1 << 62, waiting.max_seqs)
+    full, _, _ = admit(layout, batch, hold, unbounded, dep.pools[layout], dep.world_size, dep.page_size)
+    return StepBatch.make(full.context, 1, full.owners)
 
 
 def test_short_prompts_arrive_at_their_rows_over_the_horizon():
@@ -191,12 +199,18 @@ def test_a_layout_whose_pool_fills_past_the_others_prefills_the_run_itself(dep):
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
 
 
-def test_the_free_slots_prompts_split_into_runs_of_one_kind():
+def test_the_free_slots_prompts_split_into_one_run_per_kind():
     phase = PhasePrefill(now_rows=9000 + 3 * 500, now_requests=4)
     # budget 1,064 beside 64 decode rows: 1,000 prefill rows; the fifth prompt is not in a free slot
     runs = phase.now_runs(np.array([500, 500, 9000, 500, 7]), np.array([1, 2, 3, 4, 5]), 1064, 64)
     assert [(r.prompt.tolist(), r.reserved.tolist(), r.rows, r.long, r.more) for r in runs] == [
-        ([500, 500], [1, 2], 1000, False, True), ([9000], [3], 9000, True, True), ([500], [4], 500, False, False)]
+        ([500, 500, 500], [1, 2, 4], 1500, False, True), ([9000], [3], 9000, True, False)]
+    # a long prompt at the head: its kind first; one kind alone is one run
+    runs = PhasePrefill(now_rows=9500, now_requests=2).now_runs(np.array([9000, 500]), np.array([1, 2]), 1064, 64)
+    assert [(r.prompt.tolist(), r.long) for r in runs] == [([9000], True), ([500], False)]
+    runs = PhasePrefill(now_rows=1000, now_requests=2, later_rows=7, later_requests=1).now_runs(
+        np.array([500, 500, 7]), np.array([1, 2, 3]), 1064, 64)
+    assert [(r.prompt.tolist(), r.more) for r in runs] == [([500, 500], True)]
     assert all(r.token_budget == 1064 for r in runs)  # no finishing request needed: the full budget
     assert PhasePrefill(now_rows=5).now_runs(np.array([500]), np.array([1]), 1064, 64) == []
 
@@ -262,3 +276,50 @@ def test_an_int_still_means_every_row_starts_now(dep):
     as_int = policy.phase_seconds_per_token(priced, batch, 100.0, 8192 * 5)
     as_phase = policy.phase_seconds_per_token(priced, batch, 100.0, PhasePrefill(now_rows=8192 * 5))
     assert as_int == as_phase
+
+
+def test_one_row_prompts_are_prefill_rows_not_an_infinite_phase(dep):
+    # a queued request with one row left to prefill (a one-token prompt, or a sample whose prompt
+    # pages it shares) looked like a decode row: its run had no prefill rows and every layout inf
+    policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
+    batch = StepBatch.make([64] * 6, 1, np.arange(6) % dep.world_size)
+    waiting = Waiting.make([1, 1, 1], [65] * 3, 512, 256)
+    phase = PhasePrefill(now_rows=3, now_requests=3)
+    priced = policy.admitted_costs(batch, batch.context, waiting)
+    got = policy.phase_seconds_per_token(priced, batch, 60.0, phase, batch.context, waiting)
+    assert all(np.isfinite(v) for v in got.values()), got
+
+
+def test_a_pool_that_holds_more_of_the_queue_decodes_the_same_rows_in_wider_steps():
+    """Nothing running yet, a queue larger than any pool (a call's first decision under a tight
+    budget): every layout is priced on the same decode rows -- a row a step for each request of
+    the phase -- run in steps of the batch its own pool keeps, so the layout with the larger pool
+    runs fewer steps."""
+    import torch
+
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.rollout.config import EngineConfig
+    from splash_rollout.rollout.ranks import make_policy
+
+    policy = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto"), resolve_model("glm5-nano"),
+                         2, 3 * 2**20, torch.float32)
+    dep = policy.dep
+    t, n = dep.world_size, 40
+    batch = StepBatch.make(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    waiting = Waiting.make([96] * n, [96 + 64] * n, 512, 256)
+    phase = PhasePrefill(now_rows=96 * n, now_requests=n)
+    horizon = 64.0
+    priced = policy.admitted_costs(batch, batch.context, waiting)
+    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, batch.context, waiting)
+    wide = {l: kept_decode(dep, l, batch, batch.context, waiting) for l in (Layout.DP, Layout.DOP)}
+    assert 0 < wide[Layout.DP].size < wide[Layout.DOP].size < n  # both pools bind, DOP's holds more
+    for layout, kept in wide.items():
+        price = lambda s: step_time(layout, s, dep.model, dep.profile, dep.sizes).seconds  # noqa: E731
+        # the now rows: the 40 prompts at the full-budget step of the queue's head, on owners
+        cap = max(1, dep.chunk_tokens(layout, 512) // t)
+        now, _, _ = admit(layout, batch, batch.context, waiting, 1 << 62, t, dep.page_size)
+        now = prefill_step(now, 0, waiting.prompt, cap)
+        n_now = -(-96 * n // now.rows)
+        decode_s = (horizon - n_now) * price(kept) * n / kept.size  # n rows a step of work, kept.size a step
+        want = (n_now * price(now) + decode_s) / (96 * n + horizon * n)
+        assert got[layout] == pytest.approx(want, rel=1e-12), layout

@@ -97,16 +97,16 @@ def test_phase_prefill_rate_is_the_full_budget_step_not_this_steps_admission(dep
 
 
 def test_the_phase_prefills_the_queue_that_enters_within_the_horizon():
-    from splash_rollout.sim.core import _prefill_in_phase
+    from splash_rollout.scheduling.phase import prefill_in_phase
 
     left = np.array([100, 50])  # two running prefills
     residual = np.array([10, 20, 30, 400, 500])  # median 30: three finish within the horizon
     queue = np.array([1000, 2000, 3000, 4000, 5000, 6000])
     # a slot free now (max_running 6, 5 running) and three that free: the queue's first four enter,
     # the first at once beside the running prefills, the other three one per finish
-    got = _prefill_in_phase(left, residual, queue, 6, 0.5)
+    got = prefill_in_phase(left, residual, queue, 6, 0.5)
     assert (got.now_rows, got.now_requests, got.later_rows, got.later_requests) == (150 + 1000, 1, 2000 + 3000 + 4000, 3)
     assert got.rows == 150 + 1000 + 2000 + 3000 + 4000
     # no slot free, three finish but only two are queued
-    got = _prefill_in_phase(left, residual, queue[:2], 5, 0.5)
+    got = prefill_in_phase(left, residual, queue[:2], 5, 0.5)
     assert (got.now_rows, got.now_requests, got.later_rows, got.later_requests) == (150, 0, 3000, 2)
