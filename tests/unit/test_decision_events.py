@@ -109,7 +109,7 @@ def _drive(driver, sched, layout, steps, finish_at=(), switch=True):
 
 
 def test_the_driver_consults_only_at_events():
-    policy = CountingPolicy(PolicyConfig(decide_every_steps=8, min_dwell_steps=1000))
+    policy = CountingPolicy(PolicyConfig(decide_every_steps=8, min_dwell_steps=1000, observe_every_steps=4))
     sched = _scheduler(_req(i) for i in range(8))
     driver = LayoutDriver(policy)
     consulted, _ = _drive(driver, sched, Layout.DP, 40, finish_at=(11, 12))
@@ -138,7 +138,8 @@ def test_the_driver_consults_only_at_events():
 def test_a_deferred_switch_is_decided_again_and_logged_once():
     """The policy wants TP from the first boundary on and the engine defers every time: each boundary
     is a new decision (no blind retry), and the timeline keeps the one choice, not every retry."""
-    policy = CountingPolicy(PolicyConfig(decide_every_steps=1000, min_dwell_steps=0), want=Layout.TP)
+    policy = CountingPolicy(PolicyConfig(decide_every_steps=1000, min_dwell_steps=0, observe_every_steps=4),
+                            want=Layout.TP)
     sched = _scheduler(_req(i) for i in range(4))
     driver = LayoutDriver(policy)
     consulted, layout = _drive(driver, sched, Layout.DP, 4, switch=False)
