@@ -192,10 +192,11 @@ class LayoutDriver:
         first = not self.decision_log
         measured = min(self._observable, self.policy.config.dwell_evidence_steps)  # all fed, up to there
         residual = self._remaining(running + queued)
-        # the phase ahead, as the simulator describes its own: the running prefills and the free
-        # slots' prompts now, the prompts that enter as requests finish within the horizon later
-        phase = prefill_in_phase([r.num_uncomputed_tokens for r in running if r.in_prefill], residual[: len(running)],
-                                 waiting.prompt, scheduler.max_num_seqs, self.policy.config.horizon_quantile)
+        phase = None  # the phase ahead, for a decision priced over it (a call's first; every one with price_phase)
+        if first or self.policy.config.price_phase:  # as the simulator describes its own
+            phase = prefill_in_phase([r.num_uncomputed_tokens for r in running if r.in_prefill],
+                                     residual[: len(running)], waiting.prompt, scheduler.max_num_seqs,
+                                     self.policy.config.horizon_quantile)
         decision = self.policy.decide(None if first else layout, batch, residual, self.steps_in_layout,
                                       self._hold(scheduler, running), waiting, phase, measured_steps=measured)
         # the timeline keeps the first call, every switch, and a checkpoint each time the batch the

@@ -6,12 +6,12 @@ it has free slots this step -- five at one decision, one at the next -- and a la
 fixed cost per prefill step looks fast on the first and slow on the second. Over a phase the queue
 enters as the batch finishes: the free slots' prompts now, then one per finishing request, spread
 over the horizon, in runs of short prompts (one step's budget holds them) and long ones (prefilled
-in full-budget chunks). This file owns that split (``PhasePrefill``), the runs and the queue one
-phase step admits each from (``PhasePrefill.arrival_runs``; the free slots' prompts split the same
-way, one run per kind, ``PhasePrefill.now_runs``; which prompts are in the phase: ``prefill_in_phase``), what the batch holds as each run
-reaches the head (``held_at_runs``: who can take a run over), and the step shapes of layouts that
-prefill on owners (``owner_capped``, ``owner_pieces``) or over a long prompt's growing context
-(``mid_prefill``).
+in full-budget chunks). This file owns which prompts are in the phase (``prefill_in_phase``, for
+the engine's driver and the simulator alike), that split (``PhasePrefill``), the runs and the queue
+one phase step admits each from (``PhasePrefill.arrival_runs``; the free slots' prompts, one run
+per kind, ``PhasePrefill.now_runs``), what the batch holds as each run reaches the head
+(``held_at_runs``: who can take a run over), and the step shapes of layouts that prefill on owners
+(``owner_capped``, ``owner_pieces``) or over a long prompt's growing context (``mid_prefill``).
 
 Rows are query rows (tokens a step computes); counts are requests.
 """

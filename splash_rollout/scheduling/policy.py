@@ -48,7 +48,7 @@ from splash_rollout.layout import ALL_LAYOUTS, BatchKV, Layout, SwitchPlan, fits
 from splash_rollout.layout.layouts import Ownership
 from splash_rollout.scheduling.cost_model import StepBatch, StepCost, step_time
 from splash_rollout.scheduling.deployment import Deployment
-from splash_rollout.scheduling.horizon import quantile as _quantile
+from splash_rollout.scheduling.horizon import quantile
 from splash_rollout.scheduling.phase import PhasePrefill, held_at_runs, owner_pieces, prefill_step
 from splash_rollout.scheduling.online import GROUPS, StepTimeCorrection, stage_groups, step_shape
 from splash_rollout.scheduling.switch_cost import SwitchCost, layer_transfer_seconds, overlapped_seconds
@@ -491,7 +491,7 @@ class LayoutPolicy:
         rows = {l: max(1, st.rows) for l, (_, st, _) in priced.items()}
         feasible = [l for l, c in costs.items() if c.feasible]
         rem = np.asarray(remaining_tokens, dtype=np.float64)
-        horizon = _quantile(rem, cfg.horizon_quantile)
+        horizon = quantile(rem, cfg.horizon_quantile)
         # compare layouts on the same amount of work: seconds for the reference step's rows
         ref_rows = rows[current] if current in feasible else max((rows[l] for l in feasible), default=1)
         # a call's first decision, nothing running yet, chooses the layout of the wide phase: it is
@@ -582,7 +582,7 @@ class LayoutPolicy:
         d, cfg = self.dep, self.config
         hold = np.asarray(hold, dtype=np.int64)
         rem = np.asarray(remaining_tokens, dtype=np.float64)
-        horizon = _quantile(rem, cfg.horizon_quantile)
+        horizon = quantile(rem, cfg.horizon_quantile)
         work = horizon * max(1, int(batch.query_rows.sum()))
         costs = {l: self._price(l, batch) for l in cfg.layouts}
         secs = {l.value: c.seconds for l, c in costs.items()}

@@ -232,10 +232,10 @@ def test_vectorised_admission_equals_the_one_by_one_rule():
 
 
 def test_horizon_quantile_equals_numpys():
-    from splash_rollout.scheduling.policy import _quantile
+    from splash_rollout.scheduling.horizon import quantile
 
     rng = np.random.default_rng(3)
     for _ in range(500):
         v, q = rng.integers(0, 300, int(rng.integers(1, 40))).astype(float), float(rng.random())
-        assert _quantile(v, q) == pytest.approx(float(np.quantile(v, q)))
-    assert _quantile(np.zeros(0), 0.5) == 0.0
+        assert quantile(v, q) == pytest.approx(float(np.quantile(v, q)))
+    assert quantile(np.zeros(0), 0.5) == 0.0
