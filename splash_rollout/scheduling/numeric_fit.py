@@ -1,8 +1,10 @@
-"""Small numpy optimisers the fits need: nonnegative least squares and a bounded Levenberg-Marquardt.
+"""Small numpy optimisers the fits need: nonnegative least squares (plain and with squared-hinge
+rows) and a bounded Levenberg-Marquardt.
 
 The package keeps numpy as its only numerical dependency. Two problems need an optimiser: a fit
 that is linear in its constants once the roofline seconds are known (the published sweeps: NNLS,
-Lawson-Hanson active set), and one whose residuals are nonlinear in a few log-constants (the CPU
+Lawson-Hanson active set; with ordering penalties, NNLS over the rows whose hinge is active, repeated
+until that set settles), and one whose residuals are nonlinear in a few log-constants (the CPU
 engine grid: Levenberg-Marquardt with a forward-difference Jacobian, box bounds by clipping and a
 soft-L1 loss by reweighting).
 """
@@ -42,6 +44,41 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None, tol: float =
             x[~passive] = 0.0
         w = a.T @ (b - a @ x)
     return x
+
+
+def nnls_hinge(a: np.ndarray, b: np.ndarray, g: np.ndarray, c: np.ndarray,
+               max_rounds: int = 50) -> tuple[np.ndarray, int]:
+    """argmin_x ||a x - b||² + Σ_i max(0, g_i·x - c_i)² subject to x >= 0.
+
+    a: [M, N], b: [M], g: [K, N], c: [K] (float) → (x [N], rounds). The objective is convex and
+    piecewise quadratic: on the set of rows whose hinge is active (g_i·x > c_i) it is a plain NNLS
+    with those rows appended. Starting from the NNLS of ``a`` alone, each round solves that NNLS for
+    the rows active at the current x and recomputes the active set; at a fixed point x is optimal
+    (rows exactly at their hinge contribute no gradient either way). Should the sets cycle, the
+    best objective seen is returned after ``max_rounds``."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64).reshape(-1)
+    g = np.asarray(g, dtype=np.float64).reshape(-1, a.shape[1] if a.ndim == 2 else -1)
+    c = np.asarray(c, dtype=np.float64).reshape(-1)
+    if a.ndim != 2 or g.shape[0] != c.size or g.shape[1] != a.shape[1]:
+        raise ValueError(f"nnls_hinge: expected a [M, N], g [K, N] and c [K], got {a.shape}, {g.shape}, {c.shape}")
+
+    def objective(x: np.ndarray) -> float:
+        return float(((a @ x - b) ** 2).sum() + (np.maximum(g @ x - c, 0.0) ** 2).sum())
+
+    x = nnls(a, b)
+    best, best_obj = x, objective(x)
+    active = g @ x > c
+    for rounds in range(1, max_rounds + 1):
+        x = nnls(np.vstack([a, g[active]]), np.concatenate([b, c[active]]))
+        obj = objective(x)
+        if obj < best_obj:
+            best, best_obj = x, obj
+        now = g @ x > c
+        if (now == active).all():
+            return x, rounds
+        active = now
+    return best, max_rounds
 
 
 def levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], x0: np.ndarray, lower: np.ndarray,

@@ -54,6 +54,18 @@ def _ints(option: str):
     return parse
 
 
+def _nonneg(option: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise UsageError(f"{option}: expected a number, got {text!r}") from None
+        if not v >= 0 or v == float("inf"):
+            raise UsageError(f"{option}: expected a finite number >= 0, got {text!r}")
+        return v
+    return parse
+
+
 def _pair(option: str):
     def parse(text: str) -> tuple[float, float]:
         parts = text.split(",")
@@ -76,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
         if name == "fit":
             s.add_argument("--train", required=True, help="comma list of sweep names (e.g. B16_in,64K_bs)")
             s.add_argument("--out", required=True, help="write the fitted serving YAML here")
+            s.add_argument("--rank-weight", type=_nonneg("--rank-weight"), default=None,
+                           help="weight of the fit's ordering term: a layout predicted ahead of the measured "
+                                "leader by x costs rank_weight * x^2, like a relative error x (default 1; 0: plain "
+                                "least squares)")
         else:
             s.add_argument("--profile", default=None, help="serving YAML from `fit`, or a platform's preset name "
                                                            "(default: the platform's fitted preset)")
@@ -140,11 +156,13 @@ def _paper_verb(args) -> tuple[dict, str]:
     plat = args.platform.lower()
     if args.verb == "fit":
         train = _sweeps("--train", args.train, plat)
-        fitted, info = paper.fit(paper.base_serving(plat), paper.points(plat, train))
+        weight = paper.RANK_WEIGHT if args.rank_weight is None else args.rank_weight
+        fitted, info = paper.fit(paper.base_serving(plat), paper.points(plat, train), rank_weight=weight)
         save_serving(fitted, args.out)
         info.update(platform=plat, train=train, out=args.out)
         return info, f"fitted {len(train)} sweeps ({info['train_points']} points): median |error| " \
-                     f"{info['median_abs_error']:.1%} -> {args.out}"
+                     f"{info['median_abs_error']:.1%}, training leaders missed {info['train_leaders_missed']}/" \
+                     f"{info['train_points']} -> {args.out}"
     try:
         serving = load_serving(args.profile or plat)
     except ValueError as e:

@@ -8,7 +8,7 @@ import pytest
 
 from splash_rollout.layout import GiB, Layout
 from splash_rollout.scheduling import CollectiveCost, Deployment, StepBatch, load_profile, step_time
-from splash_rollout.scheduling.numeric_fit import levenberg_marquardt, nnls
+from splash_rollout.scheduling.numeric_fit import levenberg_marquardt, nnls, nnls_hinge
 from splash_rollout.scheduling.deployment import kv_senders
 from splash_rollout.scheduling.platforms import load_serving, save_serving, spec_serving
 from splash_rollout.sim import paper
@@ -181,6 +181,49 @@ def test_nnls_meets_the_optimality_conditions():
     assert (grad[x == 0] >= -1e-9).all()
 
 
+def test_nnls_hinge_meets_the_optimality_conditions():
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((30, 5)), rng.standard_normal(30)
+    g, c = rng.standard_normal((12, 5)), rng.standard_normal(12) * 0.1
+    x, rounds = nnls_hinge(a, b, g, c)
+    hinge = np.maximum(g @ x - c, 0.0)
+    assert rounds >= 1 and hinge.any()  # some ordering rows bind: the case is not plain NNLS
+    grad = a.T @ (a @ x - b) + g.T @ hinge
+    assert (x >= 0).all()
+    np.testing.assert_allclose(grad[x > 0], 0.0, atol=1e-9)
+    assert (grad[x == 0] >= -1e-9).all()
+    # rows that never bind leave the NNLS answer alone
+    far, _ = nnls_hinge(a, b, g, np.full(12, 1e6))
+    np.testing.assert_allclose(far, nnls(a, b), atol=1e-12)
+
+
+def test_ordering_term_by_hand():
+    """One point, two layouts measured at 1.0 s and 1.1 s, one constant u that prices them 1.2 u and
+    u: every u > 0 puts the slower layout ahead, by 0.2 u relative to the leader's 1.0 s. Least
+    squares: u (1.44 + 1/1.21) = 1.2 + 1/1.1; the ordering term adds w 0.04 u to the left."""
+    d = np.array([[[1.2], [1.0]]])
+    measured = np.array([[1.0, 1.1]])
+    lhs, rhs = 1.44 + 1 / 1.21, 1.2 + 1 / 1.1
+    for w in (0.0, 1.0, 25.0):
+        coef, rounds = paper.solve_constants(d, ["u"], measured, {}, prior_weight=0.0, rank_weight=w)
+        assert coef[0] == pytest.approx(rhs / (lhs + 0.04 * w), rel=1e-9)
+        assert (rounds == 0) == (w == 0)
+
+
+def test_ordering_term_is_silent_once_the_leader_is_ahead(b200):
+    # synthetic points from known constants: predicted and measured leaders agree, so the fit with the
+    # ordering term is the least-squares fit
+    pts = paper.points("b200", ["B32_in"])
+    table = paper.feature_table(b200, pts)
+    plain, _ = paper.fit(b200, pts, table, rank_weight=0.0)
+    synthetic = [paper.Point(p.sweep, p.input_tokens, p.batch, {l: float(v) for l, v in zip(paper.LAYOUT_NAMES, row)})
+                 for p, row in zip(pts, paper.predict(plain, pts, table))]
+    a, ia = paper.fit(b200, synthetic, table, prior_weight=0.0, rank_weight=0.0)
+    b, ib = paper.fit(b200, synthetic, table, prior_weight=0.0, rank_weight=1.0)
+    assert ia["train_leaders_missed"] == ib["train_leaders_missed"] == 0
+    np.testing.assert_allclose(paper.predict(a, pts, table), paper.predict(b, pts, table), rtol=1e-9)
+
+
 def test_levenberg_marquardt_solves_rosenbrock_within_bounds():
     f = lambda x: np.array([x[0] - 1.0, 10.0 * (x[1] - x[0] ** 2)])
     x, r, _ = levenberg_marquardt(f, np.array([-1.2, 1.0]), np.array([-5.0, -5.0]), np.array([5.0, 5.0]))
@@ -232,6 +275,8 @@ def test_cli_fit_and_paper(tmp_path, capsys):
     assert 0.0 <= p["regret"] < 1.0 and len(res["points"]) == 7
     assert main(["fit", "--platform", "h200", "--train", "B99", "--out", str(out)]) == 2
     assert "--train" in capsys.readouterr().err
+    assert main(["fit", "--platform", "h200", "--train", "B16_in", "--out", str(out), "--rank-weight", "-1"]) == 2
+    assert "--rank-weight" in capsys.readouterr().err
     assert main(["paper", "--platform", "tpu"]) == 2
     assert "--platform" in capsys.readouterr().err
 
