@@ -4,8 +4,9 @@
 sweeps, evaluate on the other two, and the swap) for variants of that model that the serving
 model does not carry -- extra columns, dropped or shared constants, a robust loss -- so a term is
 judged by numbers before it is added to `splash_rollout/sim/paper.py`. It rebuilds the fit on the
-design matrix of `paper.py` (same relative-error NNLS, same prior on the stage scales); the
-`default` variant reproduces `sim fit` + `sim paper` exactly (checked at start).
+design matrix of `paper.py` (the same solver, `paper.solve_constants`: relative-error NNLS, the
+prior on the stage scales, the ordering term at each variant's weight); the `default` variant
+reproduces `sim fit` + `sim paper` exactly (checked at start).
 
     PYTHONPATH=. python docs/results/paper_fit/ablations.py --platform b200 --json docs/results/paper_fit/b200_ablations.json
 """
@@ -70,10 +71,10 @@ class Variant:
     def __init__(self, name: str, per_layout: Sequence[str] = paper.PER_LAYOUT_DEFAULT,
                  terms: Sequence[str] = paper.FITTED_DEFAULT, extra: Callable | None = None,
                  extra_per_layout: bool = False, senders: bool = True, robust: bool = False,
-                 prior_weight: float = paper.SCALE_PRIOR, note: str = ""):
+                 prior_weight: float = paper.SCALE_PRIOR, rank_weight: float = paper.RANK_WEIGHT, note: str = ""):
         self.name, self.per_layout, self.terms, self.extra = name, tuple(per_layout), tuple(terms), extra
         self.extra_per_layout, self.senders, self.robust, self.note = extra_per_layout, senders, robust, note
-        self.prior_weight = prior_weight
+        self.prior_weight, self.rank_weight = prior_weight, rank_weight
 
     def design(self, serving, pts: Sequence[paper.Point], table: np.ndarray) -> tuple[np.ndarray, list[str]]:
         """[P, 4, C] design matrix and its C column names."""
@@ -94,9 +95,13 @@ class Variant:
 
 
 def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], robust: bool,
-                prior_weight: float = paper.SCALE_PRIOR) -> np.ndarray:
-    """[C] constants: NNLS on relative error of T_batch, the stage scales pulled toward 1 as in paper.fit."""
+                prior_weight: float = paper.SCALE_PRIOR, rank_weight: float = paper.RANK_WEIGHT) -> np.ndarray:
+    """[C] constants by ``paper.solve_constants`` (relative-error least squares, the stage scales pulled
+    toward 1, the ordering term at ``rank_weight``); ``robust``: soft-L1 on the data rows by IRLS,
+    without the ordering term."""
     measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in paper.LAYOUT_NAMES] for pt in pts])
+    if not robust:
+        return paper.solve_constants(d, cols, measured_s, {"overhead": 1.0}, prior_weight, rank_weight)[0]
     a = (d / measured_s[:, :, None]).reshape(-1, len(cols))
     fixed = cols.index("overhead")
     b = np.ones(a.shape[0]) - a[:, fixed]
@@ -112,7 +117,7 @@ def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], 
             rhs.append(np.array([weight * paper.PRIOR[cols[k].partition("/")[0]]]))
     a_all, b_all = np.vstack(rows), np.concatenate(rhs)
     z = nnls(a_all, b_all)
-    for _ in range(30 if robust else 0):  # IRLS for the soft-L1 loss on the data rows
+    for _ in range(30):  # IRLS for the soft-L1 loss on the data rows
         w = np.ones(b_all.size)
         w[:b.size] = (1.0 + ((a_all[:b.size] @ z - b_all[:b.size]) / SOFT_L1_SCALE) ** 2) ** -0.25
         z = nnls(a_all * w[:, None], b_all * w)
@@ -147,7 +152,7 @@ def run(platform: str, variants: Sequence[Variant]) -> dict:
             (ptr, ttr), (pte, tte) = data[tuple(train)], data[tuple(test)]
             dtr, cols = v.design(base, ptr, ttr)
             dte, _ = v.design(base, pte, tte)
-            coef = fit_columns(dtr, cols, ptr, v.robust, v.prior_weight)
+            coef = fit_columns(dtr, cols, ptr, v.robust, v.prior_weight, v.rank_weight)
             pred = np.array([pt.tokens for pt in pte], dtype=np.float64)[:, None] / (dte @ coef) / 1e3
             halves.append({"train": "+".join(train), **summary(pred, pte),
                            "constants": {c: float(x) for c, x in zip(cols, coef) if x}})
@@ -162,38 +167,51 @@ POOL_WAIT = lambda s, pt, l: waiting_requests(s, pt, l) * pt.input_tokens * s.pr
 NO_REQUESTS = paper.FITTED_DEFAULT
 WITH_REQUESTS = paper.BASE
 
+LS = 0.0
+"""The ordering term's weight in the variants of the earlier rounds: relative-error least squares."""
+
 VARIANTS = (
     Variant("default", note="the shipped model (sim fit / sim paper): per-layout batch constant, no per-request "
-            "constants, CP's last prompt sent by its 8 ranks"),
-    Variant("previous_default", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False,
-            note="the model shipped before: per-layout per-request constants, one batch constant, one KV sender"),
+            "constants, CP's last prompt sent by its 8 ranks, the ordering term at weight 1"),
+    Variant("least_squares", rank_weight=LS, note="the shipped model fitted by least squares alone (the model "
+            "shipped before the ordering term)"),
+    Variant("rank_weight_3", rank_weight=3.0, note="the shipped model, ordering term at weight 3"),
+    Variant("rank_weight_10", rank_weight=10.0, note="the shipped model, ordering term at weight 10"),
+    Variant("rank_weight_100", rank_weight=100.0, note="the shipped model, ordering term at weight 100"),
+    Variant("default+request_cost", per_layout=(*paper.PER_LAYOUT_DEFAULT, "requests"), terms=WITH_REQUESTS,
+            note="the shipped model keeping the per-layout per-request constants, ordering term at weight 1"),
+    Variant("previous_default", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False, rank_weight=LS,
+            note="the model shipped two rounds before: per-layout per-request constants, one batch constant, one "
+            "KV sender, least squares"),
     Variant("pool_wait_transfer", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False,
-            extra=POOL_WAIT, note="previous + a shared s/byte column for the requests beyond the prefill pool"),
+            extra=POOL_WAIT, rank_weight=LS,
+            note="previous + a shared s/byte column for the requests beyond the prefill pool"),
     Variant("pool_wait_per_layout", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False,
-            extra=waiting_requests, extra_per_layout=True,
+            extra=waiting_requests, extra_per_layout=True, rank_weight=LS,
             note="previous + free seconds per waiting request per layout (an upper bound on what the pool term can do)"),
     Variant("robust_soft_l1", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, senders=False, robust=True,
-            note="previous, soft-L1 loss on relative error, scale 0.1"),
-    Variant("no_request_cost", per_layout=PREVIOUS_PER_LAYOUT, terms=NO_REQUESTS, senders=False,
+            rank_weight=LS, note="previous, soft-L1 loss on relative error, scale 0.1"),
+    Variant("no_request_cost", per_layout=PREVIOUS_PER_LAYOUT, terms=NO_REQUESTS, senders=False, rank_weight=LS,
             note="previous without its per-request constants"),
     Variant("shared_step_cost", per_layout=("attention", "comm", "requests", "tokens"), terms=WITH_REQUESTS,
-            senders=False, note="previous with one per-step constant for all layouts"),
-    Variant("layout_batch_cost", senders=False, note="the shipped model with one KV sender for every layout"),
-    Variant("cp_senders", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS,
+            senders=False, rank_weight=LS, note="previous with one per-step constant for all layouts"),
+    Variant("ls_one_sender", senders=False, rank_weight=LS,
+            note="least squares, one KV sender for every layout"),
+    Variant("cp_senders", per_layout=PREVIOUS_PER_LAYOUT, terms=WITH_REQUESTS, rank_weight=LS,
             note="previous with CP's KV sent by 8 ranks"),
-    Variant("default+pool_wait", extra=POOL_WAIT, note="the shipped model + the shared pool-wait column"),
-    Variant("default+queue_scan", extra=queued_request_steps,
-            note="the shipped model + one shared cost per queued request per prefill step (each scheduler walks "
+    Variant("ls+pool_wait", extra=POOL_WAIT, rank_weight=LS, note="least squares + the shared pool-wait column"),
+    Variant("ls+queue_scan", extra=queued_request_steps, rank_weight=LS,
+            note="least squares + one shared cost per queued request per prefill step (each scheduler walks "
             "its waiting queue every step; TP / CP hold the whole batch in one queue, an owner its share)"),
-    Variant("default+layout_transfer", per_layout=(*paper.PER_LAYOUT_DEFAULT, "transfer_bytes"),
-            note="the shipped model with one transfer rate per layout (each layout's senders reach their own "
+    Variant("ls+layout_transfer", per_layout=(*paper.PER_LAYOUT_DEFAULT, "transfer_bytes"), rank_weight=LS,
+            note="least squares with one transfer rate per layout (each layout's senders reach their own "
             "rate: one NIC for TP and the owners, CP's 8 slices through the same switch to the same receiver)"),
-    Variant("default_prior_0", prior_weight=0.0, note="the shipped model without the prior on the stage scales "
-            "(0.01 gives the same row)"),
-    Variant("default_prior_0.2", prior_weight=0.2, note="the shipped model with a 4x stronger prior (1.0 gives the "
-            "same row)"),
-    Variant("default+request_cost", per_layout=(*paper.PER_LAYOUT_DEFAULT, "requests"), terms=WITH_REQUESTS,
-            note="the shipped model keeping the per-layout per-request constants"),
+    Variant("ls_prior_0", prior_weight=0.0, rank_weight=LS, note="least squares without the prior on the stage "
+            "scales (0.01 gives the same row)"),
+    Variant("ls_prior_0.2", prior_weight=0.2, rank_weight=LS, note="least squares with a 4x stronger prior (1.0 "
+            "gives the same row)"),
+    Variant("ls+request_cost", per_layout=(*paper.PER_LAYOUT_DEFAULT, "requests"), terms=WITH_REQUESTS,
+            rank_weight=LS, note="least squares keeping the per-layout per-request constants"),
 )
 
 
