@@ -332,7 +332,8 @@ def fit(serving: Serving, pts: Sequence[Point], table: np.ndarray | None = None,
 
 
 def solve_constants(d: np.ndarray, cols: Sequence[str], measured_s: np.ndarray, fixed: Mapping[str, float],
-                    prior_weight: float = SCALE_PRIOR, rank_weight: float = RANK_WEIGHT) -> tuple[np.ndarray, int]:
+                    prior_weight: float = SCALE_PRIOR, rank_weight: float = RANK_WEIGHT,
+                    data_weights: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """[C] constants for the design ``d`` ([P, 4, C] seconds per unit constant, from ``design``) and
     the measured seconds ``measured_s`` ([P, 4]); the columns named in ``fixed`` keep their value.
 
@@ -343,8 +344,10 @@ def solve_constants(d: np.ndarray, cols: Sequence[str], measured_s: np.ndarray, 
     where b_p is the layout measured fastest at p: the last term charges a predicted ordering that
     puts another layout ahead of the measured leader by as much as the same relative error would
     cost, and nothing once the leader is ahead (a choice needs the order, not the gap). Solved by
-    ``nnls_hinge``; also returns its rounds (0 without the ordering term)."""
+    ``nnls_hinge``; also returns its rounds (0 without the ordering term). ``data_weights`` ([P, 4],
+    default 1) scales each error term's residual (a robust loss reweights them)."""
     p_count = d.shape[0]
+    w_data = np.ones(d.shape[:2]) if data_weights is None else np.asarray(data_weights, dtype=np.float64)
     a = (d / measured_s[:, :, None]).reshape(-1, len(cols))
     b = np.ones(a.shape[0])
     offset = np.zeros(d.shape[:2])  # [P, 4] seconds of the fixed columns
@@ -354,7 +357,7 @@ def solve_constants(d: np.ndarray, cols: Sequence[str], measured_s: np.ndarray, 
             offset += d[:, :, k] * fixed[c]
     free = [k for k, c in enumerate(cols) if c not in fixed]
     size = np.maximum(np.abs(a[:, free]).max(axis=0), 1e-300)  # fit in O(1) units: z = coef * size
-    rows, rhs = [a[:, free] / size], [b]
+    rows, rhs = [a[:, free] / size * w_data.reshape(-1, 1)], [b * w_data.reshape(-1)]
     weight = prior_weight * math.sqrt(len(b))
     for j, k in enumerate(free):
         term = cols[k].partition("/")[0]

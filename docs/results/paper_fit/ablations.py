@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Callable, Sequence
 
 import numpy as np
 
 from splash_rollout.layout import ALL_LAYOUTS, Layout
 from splash_rollout.scheduling.deployment import kv_senders
-from splash_rollout.scheduling.numeric_fit import nnls
 from splash_rollout.sim import paper
 
 HALVES = {"b200": (["B16_in", "64K_bs"], ["B32_in", "128K_bs"]),
@@ -97,33 +95,15 @@ class Variant:
 def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], robust: bool,
                 prior_weight: float = paper.SCALE_PRIOR, rank_weight: float = paper.RANK_WEIGHT) -> np.ndarray:
     """[C] constants by ``paper.solve_constants`` (relative-error least squares, the stage scales pulled
-    toward 1, the ordering term at ``rank_weight``); ``robust``: soft-L1 on the data rows by IRLS,
-    without the ordering term."""
+    toward 1, the ordering term at ``rank_weight``); ``robust``: soft-L1 on the error terms by
+    iteratively reweighting them."""
     measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in paper.LAYOUT_NAMES] for pt in pts])
-    if not robust:
-        return paper.solve_constants(d, cols, measured_s, {"overhead": 1.0}, prior_weight, rank_weight)[0]
-    a = (d / measured_s[:, :, None]).reshape(-1, len(cols))
-    fixed = cols.index("overhead")
-    b = np.ones(a.shape[0]) - a[:, fixed]
-    free = [k for k in range(len(cols)) if k != fixed]
-    size = np.maximum(np.abs(a[:, free]).max(axis=0), 1e-300)
-    rows, rhs = [a[:, free] / size], [b]
-    weight = prior_weight * math.sqrt(len(b))
-    for j, k in enumerate(free):
-        if cols[k].partition("/")[0] in paper.PRIOR:
-            r = np.zeros((1, len(free)))
-            r[0, j] = weight / size[j]
-            rows.append(r)
-            rhs.append(np.array([weight * paper.PRIOR[cols[k].partition("/")[0]]]))
-    a_all, b_all = np.vstack(rows), np.concatenate(rhs)
-    z = nnls(a_all, b_all)
-    for _ in range(30):  # IRLS for the soft-L1 loss on the data rows
-        w = np.ones(b_all.size)
-        w[:b.size] = (1.0 + ((a_all[:b.size] @ z - b_all[:b.size]) / SOFT_L1_SCALE) ** 2) ** -0.25
-        z = nnls(a_all * w[:, None], b_all * w)
-    coef = np.zeros(len(cols))
-    coef[fixed] = 1.0
-    coef[free] = z / size
+    fixed = {"overhead": 1.0}
+    coef = paper.solve_constants(d, cols, measured_s, fixed, prior_weight, rank_weight)[0]
+    for _ in range(30 if robust else 0):
+        residual = d @ coef / measured_s - 1.0
+        weights = (1.0 + (residual / SOFT_L1_SCALE) ** 2) ** -0.25
+        coef = paper.solve_constants(d, cols, measured_s, fixed, prior_weight, rank_weight, weights)[0]
     return coef
 
 
