@@ -55,7 +55,7 @@ FULL = {
 QUICK = {
     "sharing": dict(prompts=4, n=8, prompt_len=(256, 320), pool_tokens=4096),
     "admission": dict(prompts=12, n=2, short=(16, 48), long=(96, 128), long_fraction=0.2, pool_tokens=1536),
-    "layouts": dict(prompts=8, n=2, short=(16, 48), long=(96, 128), long_fraction=0.25, budget_gib=2.0 / 1024),
+    "layouts": dict(prompts=8, n=2, short=(16, 48), long=(96, 128), long_fraction=0.25, budget_gib=2.5 / 1024),
 }
 PAGE_SIZE = 16
 
@@ -233,6 +233,8 @@ def run_layout(layout: str, work: dict, p: dict, args) -> dict:
             "pressure_decisions": [d["reason"] for d in tl.decisions if d.get("logged") == "pressure"][:4],
             "decisions": [{k: d.get(k) for k in ("step", "logged", "chosen", "reason", "admitted", "seconds_per_token")}
                           for d in tl.decisions if d.get("logged") != "pressure"][:8],
+            "switch_decisions": [{k: d.get(k) for k in ("step", "event", "current", "chosen", "reason", "seconds_per_token")}
+                                 for d in tl.decisions if d.get("logged") in ("initial", "switch")],
             "response_len": lengths(got)}
 
 
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2, help="torch threads in this process")
     ap.add_argument("--budget-mib", type=float, default=None,
-                    help="layouts: per-rank budget for attention weights + KV in MiB (default 4; quick 2)")
+                    help="layouts: per-rank budget for attention weights + KV in MiB (default 4; quick 2.5, the least at which every layout holds the quick prompts)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="layouts: run every system this many times, alternating the order; each reports its median round")
     ap.add_argument("--layouts", default="dp,dop,tp,cp,auto",
