@@ -86,3 +86,17 @@ def test_numerics_cost_quick(tmp_path):
     assert r["logprob_diff_max"]["reproducible"] <= 1e-6 and r["tokens_over_1e-5"]["reproducible"] == 0
     assert [x["numerics"] for x in r["rounds"]] == ["fast", "reproducible"]
     assert all(0 < x["tokens"] <= 4 * 2 * 24 for x in r["rounds"])  # 4 prompts x 2 samples, eos may stop early
+
+
+def test_memory_layouts_quick(tmp_path):
+    out = tmp_path / "memory.json"
+    # the default quick budget must hold every quick prompt in every layout (at 2 MiB DP-attention's could not)
+    _run("memory.py", "--json", str(out), "--quick", "--parts", "layouts", "--layouts", "dp,auto")
+    part = json.loads(out.read_text())["layouts"]
+    runs = part["runs"]
+    assert set(runs) == {"dp", "auto"} and part["best_fixed"] == "dp"
+    assert runs["dp"]["tokens"] > 0 and runs["auto"]["tokens"] > 0
+    assert runs["dp"]["switches"] == [] and runs["dp"]["switch_decisions"] == []
+    first = runs["auto"]["switch_decisions"][0]
+    assert first["current"] is None and first["chosen"] in ("tp", "cp", "dp", "dop")
+    assert part["ratio_auto_vs_dp"] == pytest.approx(runs["auto"]["tokens_per_s"] / runs["dp"]["tokens_per_s"])
