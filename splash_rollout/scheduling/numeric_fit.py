@@ -58,9 +58,9 @@ def nnls_hinge(a: np.ndarray, b: np.ndarray, g: np.ndarray, c: np.ndarray,
     best objective seen is returned after ``max_rounds``."""
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64).reshape(-1)
-    g = np.asarray(g, dtype=np.float64).reshape(-1, a.shape[1] if a.ndim == 2 else -1)
+    g = np.asarray(g, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64).reshape(-1)
-    if a.ndim != 2 or g.shape[0] != c.size or g.shape[1] != a.shape[1]:
+    if a.ndim != 2 or g.ndim != 2 or g.shape != (c.size, a.shape[1]):
         raise ValueError(f"nnls_hinge: expected a [M, N], g [K, N] and c [K], got {a.shape}, {g.shape}, {c.shape}")
 
     def objective(x: np.ndarray) -> float:

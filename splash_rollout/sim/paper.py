@@ -307,6 +307,11 @@ PRIOR = {"compute": 1.0, "attention": 1.0, "comm": 1.0, "decode": 1.0}
 """Prior value of the fitted scales; the fit pulls each toward it with weight SCALE_PRIOR."""
 
 
+def measured_seconds(pts: Sequence[Point]) -> np.ndarray:
+    """[P, 4] measured T_batch per point and layout (seconds), from the published throughput."""
+    return np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in LAYOUT_NAMES] for pt in pts])
+
+
 def fit(serving: Serving, pts: Sequence[Point], table: np.ndarray | None = None,
         per_layout: Sequence[str] = PER_LAYOUT_DEFAULT, prior_weight: float = SCALE_PRIOR,
         terms: Sequence[str] = FITTED_DEFAULT, rank_weight: float = RANK_WEIGHT) -> tuple[Serving, dict]:
@@ -316,7 +321,7 @@ def fit(serving: Serving, pts: Sequence[Point], table: np.ndarray | None = None,
         raise ValueError("--train: expected at least one sweep with points")
     table = feature_table(serving, pts) if table is None else table
     cols = columns(per_layout, terms)
-    measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in LAYOUT_NAMES] for pt in pts])
+    measured_s = measured_seconds(pts)
     fixed = {"overhead": 1.0}
     if serving.decode is None:
         fixed.update(decode=0.0, transfer_bytes=0.0)
@@ -346,7 +351,6 @@ def solve_constants(d: np.ndarray, cols: Sequence[str], measured_s: np.ndarray, 
     cost, and nothing once the leader is ahead (a choice needs the order, not the gap). Solved by
     ``nnls_hinge``; also returns its rounds (0 without the ordering term). ``data_weights`` ([P, 4],
     default 1) scales each error term's residual (a robust loss reweights them)."""
-    p_count = d.shape[0]
     w_data = np.ones(d.shape[:2]) if data_weights is None else np.asarray(data_weights, dtype=np.float64)
     a = (d / measured_s[:, :, None]).reshape(-1, len(cols))
     b = np.ones(a.shape[0])
@@ -369,8 +373,9 @@ def solve_constants(d: np.ndarray, cols: Sequence[str], measured_s: np.ndarray, 
     a_all, b_all = np.vstack(rows), np.concatenate(rhs)
     if rank_weight > 0:
         leader = measured_s.argmin(axis=1)
-        pairs = [(p, l) for p in range(p_count) for l in range(d.shape[1]) if l != leader[p]]
-        pi, li = np.array([p for p, _ in pairs]), np.array([l for _, l in pairs])
+        others = np.ones(d.shape[:2], dtype=bool)
+        others[np.arange(d.shape[0]), leader] = False
+        pi, li = np.nonzero(others)  # every (point, layout) pair but the measured leader
         bi, tb = leader[pi], measured_s[pi, leader[pi]]
         scale = math.sqrt(rank_weight) / tb
         g = (d[pi, bi][:, free] - d[pi, li][:, free]) * scale[:, None] / size

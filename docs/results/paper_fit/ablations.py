@@ -97,7 +97,7 @@ def fit_columns(d: np.ndarray, cols: Sequence[str], pts: Sequence[paper.Point], 
     """[C] constants by ``paper.solve_constants`` (relative-error least squares, the stage scales pulled
     toward 1, the ordering term at ``rank_weight``); ``robust``: soft-L1 on the error terms by
     iteratively reweighting them."""
-    measured_s = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in paper.LAYOUT_NAMES] for pt in pts])
+    measured_s = paper.measured_seconds(pts)
     fixed = {"overhead": 1.0}
     coef = paper.solve_constants(d, cols, measured_s, fixed, prior_weight, rank_weight)[0]
     for _ in range(30 if robust else 0):

@@ -20,11 +20,9 @@ import json
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from ablations import HALVES  # the held-out halves, from the script beside this one
 from splash_rollout.sim import paper
 
-HALVES = {"b200": (["B16_in", "64K_bs"], ["B32_in", "128K_bs"]),
-          "dcu": (["B16_in", "32K_bs"], ["B32_in", "64K_bs"]),
-          "h200": (["B16_in", "32K_bs"], ["B32_in", "64K_bs"])}
 LEAD = 1e-3
 """A reproduced leader is predicted at least this much (relative) faster than every other layout."""
 BOUND = 1e3
@@ -36,7 +34,7 @@ def max_leaders(platform: str, sweeps: list[str], max_error: float | None) -> di
     pts = paper.points(platform, sweeps)
     cols = paper.columns()
     d = paper.design(paper.feature_table(serving, pts), cols)  # [P, 4, C] seconds per unit constant
-    t = np.array([[pt.tokens / (pt.measured[l] * 1e3) for l in paper.LAYOUT_NAMES] for pt in pts])  # [P, 4]
+    t = paper.measured_seconds(pts)  # [P, 4]
     fixed = cols.index("overhead")
     free = [k for k in range(len(cols)) if k != fixed]
     off = d[:, :, fixed]  # [P, 4] seconds of the fixed column (value 1)
