@@ -85,7 +85,7 @@ class EngineSettings:
     page_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
-    attention_backend: str = "torch"
+    attention_backend: str = "cpu"
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     pages_by_layout: dict[Layout, int] | None = None

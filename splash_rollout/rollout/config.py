@@ -48,8 +48,11 @@ class EngineConfig:
     measures (shared per-stage-group factors, then per-layout and per-step-shape factors, each
     shrunk toward the profile until observations outweigh it; scheduling/online.py). The factors
     are in every timeline decision (``correction``). False: price with the profile as it is."""
-    attention_backend: str = "torch"
-    """``torch``: one layer for every request of a step in a few batched tensor ops (the default);
+    attention_backend: str = "cpu"
+    """``cpu`` (default): a native kernel (built with the system C++ compiler at first use, cached)
+    that reads the paged KV pool in place, for float32 / bfloat16 pools on the CPU; other pools,
+    or a machine without a compiler, take ``torch``. ``torch``: one layer for every request of a
+    step in a few batched tensor ops;
     ``torch_ref``: one exact attention per request, the reference the others are tested against;
     ``triton``: split-KV Triton kernels (the ``gpu`` extra; CUDA); ``flashmla``: FlashMLA's dense decode
     for whole-history decode rows, the rest through ``triton`` (``sgl-flash-mla``, SM90, page_size 64,

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from splash_rollout.engine.attention import get_backend
+from splash_rollout.engine.attention.cpu_paged import CpuPagedBackend, native_available, work_split
 from splash_rollout.engine.attention.torch_batched import TorchBackend
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.models.attention_math import indexer_select
+from splash_rollout.models.numerics import numerics
 
 R, ROPE, H, PAGE = 8, 4, 3, 4
 # (history length after the step, rows this step): decode rows, prefill chunks, a fresh prompt
@@ -60,7 +62,7 @@ def test_batched_backend_equals_reference(stored_elsewhere, topk, partial):
     q_pe = torch.randn(batch.num_tokens, H, ROPE, generator=g)
     selected = None if topk is None else dsa_selection(batch, topk, 2)
     ref_out, ref_lse = get_backend("torch_ref").forward(0, q, q_pe, pool, batch, selected, 0.3, partial)
-    for backend in (TorchBackend(), TorchBackend(chunk_elements=1)):  # one request per chunk, too
+    for backend in (TorchBackend(), TorchBackend(chunk_elements=1), CpuPagedBackend()):  # one request per chunk, too
         out, lse = backend.forward(0, q, q_pe, pool, batch, selected, 0.3, partial)
         assert out.dtype == ref_out.dtype and lse.dtype == ref_lse.dtype
         finite = torch.isfinite(ref_lse)  # a row with no key here (pages elsewhere) has lse -inf and out 0
@@ -86,3 +88,45 @@ def test_batched_backend_reads_no_other_slot():
     pool.kv[0].view(-1, R + ROPE)[used[0]] = float("nan")
     poisoned, _ = TorchBackend().forward(0, q, q_pe, pool, batch, None, 0.3)
     assert torch.isnan(poisoned).any()
+
+
+needs_native = pytest.mark.skipif(not native_available(), reason="no C++ compiler for the native kernel")
+
+
+@needs_native
+@pytest.mark.parametrize("topk", [None, 4], ids=["causal", "dsa-4"])
+@pytest.mark.parametrize("partial", [False, True])
+def test_native_backend_reproducible_equals_reference_exactly(topk, partial):
+    """Under reproducible numerics the native kernel accumulates in float64 like the reference:
+    rounded results are bit-identical, partial ones agree to float64 rounding."""
+    pool, batch = make_batch(5, stored_elsewhere=True)
+    g = torch.Generator().manual_seed(6)
+    q, q_pe = torch.randn(batch.num_tokens, H, R, generator=g), torch.randn(batch.num_tokens, H, ROPE, generator=g)
+    selected = None if topk is None else dsa_selection(batch, topk, 7)
+    with numerics("reproducible"):
+        ref_out, ref_lse = get_backend("torch_ref").forward(0, q, q_pe, pool, batch, selected, 0.3, partial)
+        out, lse = CpuPagedBackend().forward(0, q, q_pe, pool, batch, selected, 0.3, partial)
+    assert out.dtype == ref_out.dtype and lse.dtype == ref_lse.dtype
+    if partial:
+        assert out.dtype == torch.float64 and torch.allclose(out, ref_out, rtol=0, atol=1e-14)
+    else:
+        assert torch.equal(out, ref_out)
+
+
+@needs_native
+def test_native_backend_reads_bfloat16_pools():
+    pool, batch = make_batch(8, stored_elsewhere=False)
+    pool.kv[0] = pool.kv[0].to(torch.bfloat16)
+    pool.dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(9)
+    q, q_pe = torch.randn(batch.num_tokens, H, R, generator=g), torch.randn(batch.num_tokens, H, ROPE, generator=g)
+    ref_out, _ = get_backend("torch_ref").forward(0, q, q_pe, pool, batch, None, 0.3)
+    out, _ = CpuPagedBackend().forward(0, q, q_pe, pool, batch, None, 0.3)
+    assert not torch.isnan(out).any() and torch.allclose(out, ref_out, atol=1e-5)
+
+
+def test_work_split_keeps_every_thread_busy():
+    assert work_split(num_seqs=256, heads=8, threads=2) == (2, 8)  # decode-wide: all heads of a row per item
+    rows, group = work_split(num_seqs=1, heads=8, threads=2)  # one request: heads split over the threads
+    assert group < 8 and rows * group <= 16
+    assert work_split(num_seqs=64, heads=128, threads=2) == (1, 16)

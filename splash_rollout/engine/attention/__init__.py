@@ -8,6 +8,7 @@ from splash_rollout.engine.attention.base import AttentionBackend, causal_allowe
 _REGISTRY: dict[str, str] = {
     "torch": "splash_rollout.engine.attention.torch_batched:TorchBackend",
     "torch_ref": "splash_rollout.engine.attention.torch_ref:TorchRefBackend",
+    "cpu": "splash_rollout.engine.attention.cpu_paged:CpuPagedBackend",  # native kernel, built at first use
     "triton": "splash_rollout.engine.attention.triton_backend:TritonBackend",  # needs triton (extra: gpu)
     "flashmla": "splash_rollout.engine.attention.flashmla_backend:FlashMLABackend",  # needs sgl-flash-mla (CUDA)
 }
