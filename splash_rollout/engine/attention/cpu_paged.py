@@ -73,7 +73,7 @@ class CpuPagedBackend(AttentionBackend):
             return self.fallback.forward(layer, q_nope_abs, q_pe, pool, batch, selected, scale, partial)
         n, h, r = q_nope_abs.shape
         q_nope, q_pe = _rows_heads(q_nope_abs.to(acc)), _rows_heads(q_pe.to(acc))  # [N, H, r], [N, H, rope]
-        out = torch.empty((h, n, r), dtype=acc).transpose(0, 1)  # [N, H, r], head-major like the W_UV bmm reads it
+        out = torch.empty((h, n, r), dtype=acc).transpose(0, 1)  # [N, H, r] stored head-major: W_UV's per-head matmul reads it without a transposing copy
         lse = torch.empty((n, h), dtype=acc)
         if n:
             table, seq_lens, row_start, positions = self._paging(batch)

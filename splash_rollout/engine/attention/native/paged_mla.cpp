@@ -35,7 +35,6 @@ template <> inline float scalar<float, bf16>(const bf16* p) {
   uint32_t bits = (uint32_t)(*p) << 16; float f; std::memcpy(&f, &bits, 4); return f;
 }
 template <> inline double scalar<double, bf16>(const bf16* p) { return (double)scalar<float, bf16>(p); }
-template <> inline double scalar<double, double>(const double* p) { return *p; }
 
 // W consecutive key elements as one Acc vector.
 template <typename Acc, typename KT> inline typename Vec<Acc>::type load(const KT* p);
@@ -76,7 +75,7 @@ constexpr int KB = 4;  // keys per logit micro-tile
 constexpr int OB = 8;  // query vectors per output micro-tile
 
 struct Problem {
-  int64_t num_rows, heads, r, rope, page_size, pages_per_seq, sel_width;
+  int64_t heads, r, rope, page_size, pages_per_seq, sel_width;
   int64_t qn_sn, qn_sh, qp_sn, qp_sh, out_sn, out_sh;  // element strides (row, head) of q_nope, q_pe, out
   const int64_t* block_table;  // [B, pages_per_seq]
   const int64_t* seq_lens;     // [B]
@@ -94,7 +93,7 @@ inline void dot_segment(const Acc* const* q, int qn, const KT* const* keys, int 
   typedef typename Vec<Acc>::type V;
   constexpr int W = Vec<Acc>::W;
   const int64_t vec_end = len / W * W;
-  if (qn == QB && kn == KB) {
+  if (qn == QB && kn == KB) {  // full tile: constant bounds, so the 4x4 accumulators stay in registers
     for (int64_t d = 0; d < vec_end; d += W) {
       V kv[KB];
       for (int k = 0; k < KB; ++k) kv[k] = load<Acc, KT>(keys[k] + off + d);
@@ -282,7 +281,7 @@ int splash_paged_mla(int acc, int kv, const void* q_nope, int64_t qn_sn, int64_t
                      const int64_t* positions, const uint8_t* selected, int64_t sel_width, int64_t num_rows,
                      int64_t heads, int64_t r, int64_t rope, int64_t page_size, double scale, void* out,
                      int64_t out_sn, int64_t out_sh, void* lse, int64_t row_tile, int64_t head_group) {
-  Problem pb{num_rows, heads, r, rope, page_size, pages_per_seq, sel_width, qn_sn, qn_sh, qp_sn, qp_sh, out_sn,
+  Problem pb{heads, r, rope, page_size, pages_per_seq, sel_width, qn_sn, qn_sh, qp_sn, qp_sh, out_sn,
              out_sh, block_table, seq_lens, row_start, positions, selected, scale};
 #define SPLASH_RUN(A, K) attend<A, K>(pb, num_seqs, (const A*)q_nope, (const A*)q_pe, (const K*)cache, (A*)out, \
                                       (A*)lse, row_tile, head_group)
