@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splash_rollout.models.numerics import einsum, linear
+from splash_rollout.models.numerics import head_matmul, linear
 from splash_rollout.models.rope import apply_rope
 
 
@@ -57,14 +57,14 @@ class ProjectionShard:
 
     def absorb(self, attn, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, h, nope] -> q_nope_abs [N, h, kv_lora] (W_UK absorbed)."""
-        return einsum("nhd,hdr->nhr", q_nope, self._kv_b(attn)[:, : attn.nope_dim, :])
+        return head_matmul(q_nope, self._kv_b(attn)[:, : attn.nope_dim, :])
 
     def output(self, attn, out_latent: torch.Tensor) -> torch.Tensor:
         """out_latent [N, h, kv_lora] -> [N, hidden]: W_UV then this shard's o_proj columns
         (a partial sum over heads when the shard is H/T of them: then it stays in the accumulation
         dtype, and the caller rounds it after the all-reduce)."""
         w_uv = self._kv_b(attn)[:, attn.nope_dim:, :].transpose(1, 2)  # [h, r, v]
-        v = einsum("nhr,hrv->nhv", out_latent, w_uv)
+        v = head_matmul(out_latent, w_uv)
         return linear(v.reshape(v.shape[0], -1), self.o, keep=self.num_heads < attn.num_heads)
 
 

@@ -15,7 +15,7 @@ from splash_rollout.models.attention_math import absorbed_attention, indexer_sco
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.indexer import Indexer
 from splash_rollout.models.norm import RMSNorm
-from splash_rollout.models.numerics import Linear, einsum
+from splash_rollout.models.numerics import Linear, head_matmul
 from splash_rollout.models.rope import RotaryEmbedding, apply_rope, softmax_scale
 
 
@@ -82,11 +82,11 @@ class MLAAttention(nn.Module):
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [N, H, nope] -> q_nope_abs [N, H, kv_lora]."""
-        return einsum("nhd,hdr->nhr", q_nope, self.w_uk())
+        return head_matmul(q_nope, self.w_uk())
 
     def output(self, out_latent: torch.Tensor) -> torch.Tensor:
         """out_latent [N, H, kv_lora] -> [N, hidden] (W_UV then o_proj)."""
-        v = einsum("nhr,hrv->nhv", out_latent, self.w_uv())
+        v = head_matmul(out_latent, self.w_uv())
         return self.o_proj(v.reshape(v.shape[0], -1))
 
     # ---- training forward over whole sequences -------------------------------------------------

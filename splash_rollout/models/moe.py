@@ -27,6 +27,7 @@ from torch import nn
 
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.numerics import Linear, linear, partial_dtype
+from splash_rollout.native.routed_experts import routed_experts
 
 
 class DenseMLP(nn.Module):
@@ -137,6 +138,10 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
     ids); ``experts`` hold ids [first_expert, first_expert + len); others contribute nothing here
     (expert parallelism sums the ranks' parts). Returns [N, hidden] in x's dtype, or float64 in
     reproducible numerics (a partial sum: the caller adds the shared expert / other ranks, then rounds)."""
+    if partial_dtype(x.dtype) == x.dtype:  # fast numerics: few rows take one native call
+        fused = routed_experts(x, idx, weight, experts, first_expert)
+        if fused is not None:
+            return fused.to(x.dtype)
     out = torch.zeros(x.shape, dtype=partial_dtype(x.dtype), device=x.device)
     local = idx - first_expert
     mine = (local >= 0) & (local < len(experts))

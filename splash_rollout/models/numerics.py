@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splash_rollout.native.small_matmul import MAX_ROWS, small_matmul
+
 NUMERICS_MODES = ("fast", "reproducible")
 _accumulate: torch.dtype | None = None  # None: fast mode (each op in its input dtype)
 
@@ -73,11 +75,27 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
     """F.linear; in reproducible mode accumulated in float64. The result has ``weight``'s dtype, or
-    stays float64 with ``keep`` (a partial sum that a collective or a later sum completes)."""
+    stays float64 with ``keep`` (a partial sum that a collective or a later sum completes).
+    In fast mode a CPU product of a few rows takes the weight-streaming native kernel."""
     if _accumulate is None:
+        if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            y = small_matmul(x, weight, bias)
+            if y is not None:
+                return y
         return F.linear(x, weight, bias)
     y = F.linear(x.to(_accumulate), weight.to(_accumulate), None if bias is None else bias.to(_accumulate))
     return y if keep else y.to(weight.dtype)
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head product: x [N, H, K] @ weight [H, K, M] -> [N, H, M] (the absorbed W_UK and W_UV); in
+    reproducible mode accumulated in float64 and rounded to ``weight``'s dtype. In fast mode few rows
+    on the CPU take the weight-streaming native kernel (weight seen as [H, M, K], either stride 1)."""
+    if _accumulate is None and x.shape[0] <= MAX_ROWS:
+        y = small_matmul(x.transpose(0, 1), weight.transpose(1, 2))  # [H, N, M]
+        if y is not None:
+            return y.transpose(0, 1)
+    return einsum("nhk,hkm->nhm", x, weight)
 
 
 def einsum(equation: str, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

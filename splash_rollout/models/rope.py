@@ -79,6 +79,12 @@ def softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
+def _version(t: torch.Tensor) -> int:
+    """In-place writes bump a tensor's version; inference tensors keep none (the engine builds a
+    step's positions once and never writes them)."""
+    return 0 if t.is_inference() else t._version
+
+
 class RotaryEmbedding(nn.Module):
     """Holds inv_freq; ``cos_sin(positions)`` gives the per-pair angles' cos and sin."""
 
@@ -88,16 +94,23 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the frequencies.
         self.inv_freq = inv_freq  # [rope/2] float32
         self._on_device: dict[torch.device, torch.Tensor] = {}
+        self._last: tuple = (None, -1, None, None)  # (positions, its version, dtype, (cos, sin))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] int -> (cos, sin) each [N, rope/2] in ``dtype``."""
+        """positions [N] int -> (cos, sin) each [N, rope/2] in ``dtype``. Every layer of a step asks
+        with the same positions tensor, so the last answer is kept (keyed by identity and version)."""
+        last, version, last_dtype, result = self._last
+        if positions is last and _version(positions) == version and dtype == last_dtype:
+            return result
         inv_freq = self._on_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv_freq[None, :]
         cos = freqs.cos() * self.attention_factor
         sin = freqs.sin() * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
+        result = cos.to(dtype), sin.to(dtype)
+        self._last = (positions, _version(positions), dtype, result)
+        return result
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

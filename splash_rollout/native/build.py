@@ -1,4 +1,4 @@
-"""Build and load the package's native CPU kernels (``native/*.cpp``) at first use.
+"""Build and load the package's native CPU kernels (``*.cpp`` beside this file) at first use.
 
 Why at run time: the kernels are a few hundred lines of portable C++ with GCC vector extensions,
 compiled for the machine they run on (``-march=native``: AVX-512 where it exists) in about two
@@ -23,7 +23,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("native") / "paged_mla.cpp"
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))  # compiled together into one library
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
@@ -55,7 +56,8 @@ def _cpu_key() -> str:
 
 def library_path(compiler: str) -> Path:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_key().encode()):
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS).encode(), compiler.encode(),
+                 _cpu_key().encode()):
         h.update(part)
     return cache_dir() / f"splash_native_{h.hexdigest()[:16]}.so"
 
@@ -65,10 +67,11 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
-            raise NativeUnavailable(f"{compiler} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            names = ", ".join(src.name for src in SOURCES)
+            raise NativeUnavailable(f"{compiler} failed on {names}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent builder's copy is identical
     finally:
         if os.path.exists(tmp):
@@ -81,6 +84,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.splash_paged_mla.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ptr,
                                      ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_double, ptr, i64,
                                      i64, ptr, i64, i64]
+    lib.splash_small_matmul.restype = ctypes.c_int
+    lib.splash_small_matmul.argtypes = [ctypes.c_int, i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr,
+                                        ptr, i64, i64]
+    lib.splash_routed_experts.restype = ctypes.c_int
+    lib.splash_routed_experts.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr]
 
 
 def load_native() -> ctypes.CDLL:
@@ -108,3 +116,12 @@ def load_native() -> ctypes.CDLL:
             raise NativeUnavailable(_error) from exc
         _loaded = lib
         return lib
+
+
+def native_available() -> bool:
+    """Whether the native kernels build and load here."""
+    try:
+        load_native()
+        return True
+    except NativeUnavailable:
+        return False

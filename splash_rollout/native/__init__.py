@@ -1,0 +1,8 @@
+"""Native CPU kernels, compiled for the machine at first use (``build.py``).
+
+``paged_mla.cpp`` is the ``cpu`` attention backend's kernel; ``small_matmul.cpp`` computes the
+products with few activation rows that decode steps and routed experts are made of.
+"""
+from splash_rollout.native.build import NativeUnavailable, load_native, native_available
+
+__all__ = ["NativeUnavailable", "load_native", "native_available"]

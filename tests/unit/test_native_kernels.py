@@ -1,0 +1,95 @@
+"""The native few-row kernels (small products, routed experts) against float64 references and the
+torch paths they stand in for; where they must not apply, they decline (None) instead of guessing."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splash_rollout.models.moe import DenseMLP, run_experts
+from splash_rollout.models.numerics import head_matmul, linear, numerics
+from splash_rollout.native.routed_experts import routed_experts
+from splash_rollout.native.small_matmul import MAX_ROWS, native_available, small_matmul
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler for the native kernels")
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (3, 33, 100), (4, 64, 512), (16, 20, 48)])
+def test_small_matmul_both_weight_orders_and_bias(dtype, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w_nk = torch.randn(n, k, generator=g).to(dtype)  # nn.Linear's [out, in]
+    w_kn = torch.randn(k, n, generator=g).to(dtype)  # [in, out], passed transposed
+    bias = torch.randn(n, generator=g).to(dtype)
+    ref = x.double() @ w_nk.double().T + bias.double()
+    y = small_matmul(x, w_nk, bias)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _rel(y, ref) < TOL[dtype]
+    assert _rel(small_matmul(x, w_kn.T), x.double() @ w_kn.double()) < TOL[dtype]
+
+
+def test_small_matmul_batched_per_head_equals_einsum():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 8, 64, generator=g)  # [N, H, K]
+    w = torch.randn(8, 64, 96, generator=g)  # [H, K, M]
+    ref = torch.einsum("nhk,hkm->nhm", x.double(), w.double())
+    with torch.inference_mode():
+        assert _rel(head_matmul(x, w), ref) < TOL[torch.float32]
+        assert _rel(head_matmul(x, w.transpose(1, 2).contiguous().transpose(1, 2)), ref) < TOL[torch.float32]
+
+
+def test_small_matmul_declines_what_it_does_not_do():
+    x, w = torch.randn(MAX_ROWS + 1, 8), torch.randn(4, 8)
+    assert small_matmul(x, w) is None  # too many rows: torch's blocked matmul is faster
+    assert small_matmul(x[:2].double(), w.double()) is None  # float64: reproducible numerics' business
+    assert small_matmul(x[:2], w.requires_grad_()) is None  # autograd needs torch's op
+    assert small_matmul(x[:2, :7], w.detach()) is None  # inner sizes differ
+
+
+def test_fast_linear_takes_the_kernel_and_agrees_with_torch():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(4, 256, generator=g), torch.randn(128, 256, generator=g)
+    with torch.inference_mode():
+        assert torch.allclose(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        with numerics("reproducible"):  # float64 accumulation: exact rounding, the kernel stays out
+            y = linear(x, w)
+    assert torch.equal(y, (x.double() @ w.double().T).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_routed_experts_equal_the_expert_loop(dtype, rows):
+    torch.manual_seed(rows)
+    experts = torch.nn.ModuleList(DenseMLP(48, 32) for _ in range(8)).to(dtype)
+    x = torch.randn(rows, 48).to(dtype)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(rows)])
+    weight = torch.rand(rows, 2)
+    ref = torch.zeros(rows, 48, dtype=torch.float64)
+    for r in range(rows):
+        for j in range(2):
+            e = experts[int(idx[r, j])]
+            h = F.silu(x[r].double() @ e.gate_proj.weight.double().T) * (x[r].double() @ e.up_proj.weight.double().T)
+            ref[r] += float(weight[r, j]) * (h @ e.down_proj.weight.double().T)
+    with torch.inference_mode():
+        fused = routed_experts(x, idx, weight, experts, 0)
+        assert fused.dtype == torch.float32 and _rel(fused, ref) < TOL[dtype]
+        # a rank holding experts [2, 6) adds only theirs
+        held = ((idx >= 2) & (idx < 6)).to(torch.float32) * weight
+        part = routed_experts(x, idx, weight, experts[2:6], 2)
+        full_of_held = routed_experts(x, idx, held, experts, 0)
+        assert torch.allclose(part, full_of_held, rtol=1e-6, atol=1e-6)
+        assert _rel(run_experts(x, idx, weight, experts).to(torch.float64), ref) < TOL[dtype]
+
+
+def test_routed_experts_decline_autograd_and_wide_batches():
+    experts = torch.nn.ModuleList(DenseMLP(16, 8) for _ in range(4))
+    x, idx, w = torch.randn(3, 16, requires_grad=True), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    assert routed_experts(x, idx, w, experts, 0) is None
+    with torch.inference_mode():
+        wide = torch.randn(65, 16)
+        assert routed_experts(wide, torch.zeros(65, 2, dtype=torch.int64), torch.rand(65, 2), experts, 0) is None
