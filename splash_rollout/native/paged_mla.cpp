@@ -66,7 +66,11 @@ template <> inline Vec<double>::type load<double, bf16>(const bf16* p) {
 
 // Keeps a loaded vector in a register: without it GCC folds the load into each FMA that uses it,
 // and the 4x4 logit tile issues 20 loads per 16 FMAs instead of 8.
+#if defined(__AVX512F__)  // a 64-byte vector is one register only there
 template <typename V> inline void in_register(V& v) { asm("" : "+v"(v)); }
+#else
+template <typename V> inline void in_register(V& v) { (void)v; }
+#endif
 
 template <typename Acc> inline Acc hsum(typename Vec<Acc>::type v) {
   Acc s = 0;

@@ -11,8 +11,8 @@
 //     y_e   = h_e W_down[e]^T                                     [|R_e|, hidden]
 //   out[r] += g[r, j] * y_e[r]   for every (r, j), experts in ascending order (a fixed sum order)
 //
-// Products accumulate in float32; h and y stay float32 (torch rounds them to the model dtype
-// between ops; in bfloat16 this is the more precise of the two). ``out`` is float32 [n, hidden],
+// Products accumulate in float32; y stays float32 and h is rounded to the model dtype once (torch
+// rounds after every op; in bfloat16 this is the more precise of the two). ``out`` is float32 [n, hidden],
 // zeroed here. Experts outside [first_expert, first_expert + num_experts) contribute nothing (the
 // other ranks' experts under expert parallelism).
 #include "small_matmul.h"
@@ -38,12 +38,20 @@ int run_experts(int64_t n, int64_t hidden, int64_t inter, const T* x, int64_t x_
     if (!rows[e].empty()) { active.push_back(e); offset.push_back(packed); packed += (int64_t)rows[e].size(); }
   std::memset(out, 0, sizeof(float) * n * hidden);
   if (packed == 0) return 0;
-  std::vector<float> xs(packed * hidden), gate(packed * inter), up(packed * inter), y(packed * hidden);
-  for (size_t a = 0; a < active.size(); ++a)  // x gathered per expert, widened to float32
+  // x gathered per expert: widened to float32, or kept bfloat16 where the bfloat16 pair tile runs
+  // (then SiLU(gate) * up is rounded to bfloat16 once before the down product, as torch rounds it).
+  constexpr bool pairs = sizeof(T) == 2 && kHasBf16Pairs;
+  std::vector<float> xs(pairs ? 0 : packed * hidden), gate(packed * inter), up(packed * inter), y(packed * hidden);
+  std::vector<T> xs_t(pairs ? packed * hidden : 0), h_t(pairs ? packed * inter : 0);
+  for (size_t a = 0; a < active.size(); ++a)
     for (size_t i = 0; i < rows[active[a]].size(); ++i) {
       const T* src = x + rows[active[a]][i].first * x_sm;
-      float* dst = xs.data() + (offset[a] + i) * hidden;
-      for (int64_t t = 0; t < hidden; ++t) dst[t] = scalar<T>(src + t);
+      if constexpr (pairs) {
+        std::memcpy(xs_t.data() + (offset[a] + i) * hidden, src, sizeof(T) * hidden);
+      } else {
+        float* dst = xs.data() + (offset[a] + i) * hidden;
+        for (int64_t t = 0; t < hidden; ++t) dst[t] = scalar<T>(src + t);
+      }
     }
   // One work item per expert (gate, up, SiLU, down: no barrier between them), then one fork/join:
   // a barrier costs a scheduler time slice when another process shares the cores.
@@ -56,11 +64,21 @@ int run_experts(int64_t n, int64_t hidden, int64_t inter, const T* x, int64_t x_
     const T* wd = reinterpret_cast<const T*>(weights[e * 3 + 2]);
     float* g = gate.data() + offset[a] * inter;
     float* u = up.data() + offset[a] * inter;
-    const float* xa = xs.data() + offset[a] * hidden;
-    nk_item<T, float>(xa, hidden, m, wg, hidden, hidden, nullptr, g, inter, inter);
-    nk_item<T, float>(xa, hidden, m, wu, hidden, hidden, nullptr, u, inter, inter);
-    for (int64_t i = 0; i < m * inter; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    nk_item<T, float>(g, inter, m, wd, inter, inter, nullptr, y.data() + offset[a] * hidden, hidden, hidden);
+    float* ya = y.data() + offset[a] * hidden;
+    if constexpr (pairs) {
+      const T* xa = xs_t.data() + offset[a] * hidden;
+      T* h = h_t.data() + offset[a] * inter;
+      nk_item_pairs<float>(xa, hidden, m, wg, hidden, hidden, nullptr, g, inter, inter);
+      nk_item_pairs<float>(xa, hidden, m, wu, hidden, hidden, nullptr, u, inter, inter);
+      for (int64_t i = 0; i < m * inter; ++i) store<T>(h + i, g[i] / (1.0f + std::exp(-g[i])) * u[i]);
+      nk_item_pairs<float>(h, inter, m, wd, inter, inter, nullptr, ya, hidden, hidden);
+    } else {
+      const float* xa = xs.data() + offset[a] * hidden;
+      nk_item<T, float>(xa, hidden, m, wg, hidden, hidden, nullptr, g, inter, inter);
+      nk_item<T, float>(xa, hidden, m, wu, hidden, hidden, nullptr, u, inter, inter);
+      for (int64_t i = 0; i < m * inter; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      nk_item<T, float>(g, inter, m, wd, inter, inter, nullptr, ya, hidden, hidden);
+    }
   }
   for (int64_t a = 0; a < num_active; ++a)  // weighted sum into out, experts in ascending order
     for (size_t i = 0; i < rows[active[a]].size(); ++i) {

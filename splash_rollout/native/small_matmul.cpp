@@ -22,6 +22,19 @@ template <typename T>
 int run(const Shape& s, const T* x, const T* w, const T* bias, T* y) {
   const bool nk = s.w_sk == 1;
   if (!nk && s.w_sn != 1) return 2;
+  if constexpr (sizeof(T) == 2 && kHasBf16Pairs) {
+    if (nk) {  // bfloat16 pairs straight into vdpbf16ps, x not widened
+      const int64_t blocks = (s.n + NK_BLOCK - 1) / NK_BLOCK, items = s.batch * blocks;
+#pragma omp parallel for schedule(static) if (items > 1)
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t b = item / blocks, n0 = (item % blocks) * NK_BLOCK;
+        const int64_t outs = s.n - n0 < NK_BLOCK ? s.n - n0 : NK_BLOCK;
+        nk_item_pairs<T>(x + b * s.x_sb, s.x_sm, s.m, w + b * s.w_sb + n0 * s.w_sn, s.w_sn, s.k, bias ? bias + n0 : nullptr,
+                        y + b * s.y_sb + n0, s.y_sm, outs);
+      }
+      return 0;
+    }
+  }
   // x as float32, [batch, m, k] contiguous (bfloat16 is widened once here, not per work item).
   std::vector<float> widened;
   const float* xf;
