@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from splash_rollout.models.moe import DenseMLP, run_experts
 from splash_rollout.models.numerics import head_matmul, linear, numerics
+from splash_rollout.native import routed_experts as routed_module
 from splash_rollout.native.routed_experts import routed_experts
 from splash_rollout.native.small_matmul import MAX_ROWS, native_available, small_matmul
 
@@ -91,5 +92,6 @@ def test_routed_experts_decline_autograd_and_wide_batches():
     x, idx, w = torch.randn(3, 16, requires_grad=True), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
     assert routed_experts(x, idx, w, experts, 0) is None
     with torch.inference_mode():
-        wide = torch.randn(65, 16)
-        assert routed_experts(wide, torch.zeros(65, 2, dtype=torch.int64), torch.rand(65, 2), experts, 0) is None
+        n = routed_module.MAX_ROWS + 1
+        wide = torch.randn(n, 16)
+        assert routed_experts(wide, torch.zeros(n, 2, dtype=torch.int64), torch.rand(n, 2), experts, 0) is None
