@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -96,6 +97,52 @@ inline Vec<float>::type hsum16(const Vec<float>::type* v) {
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// exp of 16 floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts) and p
+// the degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~1e-7, about one ulp). Below
+// -87.3 (where expf underflows, and for the -inf of a masked key) the result is exactly 0.
+inline Vec<float>::type exp16(Vec<float>::type x) {
+  typedef Vec<float>::type V;
+  typedef int32_t I __attribute__((vector_size(64)));
+  const V lo = V{} - 87.3f, hi = V{} + 88.7f;
+  const V xc = x < lo ? lo : (x > hi ? hi : x);
+  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const V r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  V p = V{} + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(V));
+  const V y = p * scale;
+  return x < lo ? V{} : y;
+}
+
+// l[k] = exp(l[k] - shift) for k < n; returns their sum (float accumulation, 16 lanes then a scalar tail).
+inline float exp_shifted(float* l, int64_t n, float shift) {
+  typedef Vec<float>::type V;
+  constexpr int W = Vec<float>::W;
+  V acc = V{};
+  int64_t k = 0;
+  for (; k + W <= n; k += W) {
+    V v;
+    std::memcpy(&v, l + k, sizeof(V));
+    v = exp16(v - shift);
+    std::memcpy(l + k, &v, sizeof(V));
+    acc += v;
+  }
+  float sum = hsum<float>(acc);
+  for (; k < n; ++k) {
+    l[k] = std::exp(l[k] - shift);
+    sum += l[k];
+  }
+  return sum;
+}
+
+constexpr int PREFETCH_TILES = 2;  // how many key tiles ahead the logit pass requests keys
 constexpr int QB = 4;  // query vectors per logit micro-tile
 constexpr int KB = 4;  // keys per logit micro-tile
 constexpr int OB = 8;  // query vectors per output micro-tile
@@ -115,7 +162,7 @@ struct Problem {
 // added to acc[j][k] (vector lanes) and tail[j][k] (the elements past the last full vector).
 template <typename Acc, typename KT>
 inline void dot_segment(const Acc* const* q, int qn, const KT* const* keys, int kn, int64_t off, int64_t len,
-                        typename Vec<Acc>::type (&acc)[QB][KB], Acc (&tail)[QB][KB]) {
+                        typename Vec<Acc>::type (&acc)[QB][KB], Acc (&tail)[QB][KB], const KT* const* ahead) {
   typedef typename Vec<Acc>::type V;
   constexpr int W = Vec<Acc>::W;
   const int64_t vec_end = len / W * W;
@@ -123,6 +170,8 @@ inline void dot_segment(const Acc* const* q, int qn, const KT* const* keys, int 
     for (int64_t d = 0; d < vec_end; d += W) {
       V kv[KB];
       for (int k = 0; k < KB; ++k) kv[k] = load<Acc, KT>(keys[k] + off + d);
+      if (ahead)  // the same line of the keys a few tiles on: a key is 36 lines, too short a stream
+        for (int k = 0; k < KB; ++k) __builtin_prefetch(ahead[k] + off + d);  // for the hardware prefetcher
       for (int j = 0; j < QB; ++j) {
         V qv = load<Acc, Acc>(q[j] + d);
         in_register(qv);
@@ -148,14 +197,14 @@ inline void dot_segment(const Acc* const* q, int qn, const KT* const* keys, int 
 // against kn keys (rows [r + rope] of KT), into logits[j * ld + k].
 template <typename Acc, typename KT>
 void logit_tile(const Acc* const* qn_, const Acc* const* qp, int qn, const KT* const* keys, int kn, int64_t r,
-                int64_t rope, Acc* logits, int64_t ld) {
+                int64_t rope, Acc* logits, int64_t ld, const KT* const* ahead) {
   typedef typename Vec<Acc>::type V;
   V acc[QB][KB];
   Acc tail[QB][KB];
   for (int j = 0; j < QB; ++j)
     for (int k = 0; k < KB; ++k) { acc[j][k] = V{}; tail[j][k] = 0; }
-  dot_segment<Acc, KT>(qn_, qn, keys, kn, 0, r, acc, tail);
-  dot_segment<Acc, KT>(qp, qn, keys, kn, r, rope, acc, tail);
+  dot_segment<Acc, KT>(qn_, qn, keys, kn, 0, r, acc, tail, ahead);
+  dot_segment<Acc, KT>(qp, qn, keys, kn, r, rope, acc, tail, ahead);
   if constexpr (Vec<Acc>::W == 16) {  // float: the 16 horizontal sums of the tile in one add tree
     const V sums = hsum16(&acc[0][0]);
     for (int j = 0; j < qn; ++j)
@@ -258,12 +307,15 @@ void attend_item(const Problem& pb, const Acc* q_nope, const Acc* q_pe, const KT
     return;
   }
   std::vector<Acc> logits(J * K);
-  for (int64_t j0 = 0; j0 < J; j0 += QB) {
-    const int qn = (int)(J - j0 < QB ? J - j0 : QB);
-    for (int64_t k0 = 0; k0 < K; k0 += KB) {
-      const int kn = (int)(K - k0 < KB ? K - k0 : KB);
+  // Key tiles outer: a tile is read from memory once and serves every query tile from L1, while the
+  // keys PREFETCH_TILES tiles on are requested.
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int kn = (int)(K - k0 < KB ? K - k0 : KB);
+    const KT* const* ahead = k0 + (PREFETCH_TILES + 1) * KB <= K ? keys.data() + k0 + PREFETCH_TILES * KB : nullptr;
+    for (int64_t j0 = 0; j0 < J; j0 += QB) {
+      const int qn = (int)(J - j0 < QB ? J - j0 : QB);
       logit_tile<Acc, KT>(qs.data() + j0, qps.data() + j0, qn, keys.data() + k0, kn, pb.r, pb.rope,
-                          logits.data() + j0 * K + k0, K);
+                          logits.data() + j0 * K + k0, K, j0 == 0 ? ahead : nullptr);
     }
   }
   const Acc scale = (Acc)pb.scale;
@@ -284,11 +336,18 @@ void attend_item(const Problem& pb, const Acc* q_nope, const Acc* q_pe, const KT
       for (int64_t k = 0; k < K; ++k) l[k] = 0;
       continue;
     }
-    Acc sum = 0;
-    for (int64_t k = 0; k < K; ++k) sum += std::exp(l[k] - m);
-    const Acc total = m + std::log(sum);
-    *lse_at = total;
-    for (int64_t k = 0; k < K; ++k) l[k] = std::exp(l[k] - total);  // exp(-inf) = 0
+    if constexpr (std::is_same<Acc, float>::value) {  // fast numerics: one vector exp pass, then scale
+      const Acc sum = exp_shifted(l, K, m);
+      *lse_at = m + std::log(sum);
+      const Acc inv = 1 / sum;
+      for (int64_t k = 0; k < K; ++k) l[k] *= inv;
+    } else {  // reproducible: the reference's order, exp(l - lse), in double
+      Acc sum = 0;
+      for (int64_t k = 0; k < K; ++k) sum += std::exp(l[k] - m);
+      const Acc total = m + std::log(sum);
+      *lse_at = total;
+      for (int64_t k = 0; k < K; ++k) l[k] = std::exp(l[k] - total);  // exp(-inf) = 0
+    }
   }
   for (int64_t j0 = 0; j0 < J; j0 += OB) {
     const int qn = (int)(J - j0 < OB ? J - j0 : OB);
