@@ -12,7 +12,7 @@
 // gets out = 0 and lse = -inf, so partial results (context parallelism) merge exactly.
 //
 // Work items are (request, tile of its rows, group of heads), spread over OpenMP threads; a work
-// item reads each key once per tile. Built at first use by the package (native_build.py) with the
+// item reads each key once per tile. Built at first use by the package (build.py) with the
 // system C++ compiler and loaded with ctypes; the OpenMP runtime is the one torch already loaded.
 #include <cmath>
 #include <cstdint>
