@@ -23,9 +23,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch  # loaded first, so the kernels' libgomp resolves to the OpenMP runtime torch loaded
+
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))  # compiled together into one library
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Element types the kernels take, with their ``dtype`` / ``kv`` argument codes."""
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 _error: str | None = None
@@ -100,8 +104,6 @@ def load_native() -> ctypes.CDLL:
         if _error is not None:
             raise NativeUnavailable(_error)
         try:
-            import torch  # noqa: F401  (its OpenMP runtime must be loaded first, so ours resolves to it)
-
             compiler = _compiler()
             path = library_path(compiler)
             if not path.exists():
@@ -125,3 +127,14 @@ def native_available() -> bool:
         return True
     except NativeUnavailable:
         return False
+
+
+def library_or_none() -> ctypes.CDLL | None:
+    """The library, or None where it cannot be built (callers that only use it for speed take their
+    torch path then)."""
+    if _loaded is not None:  # the hot path: no lock once loaded
+        return _loaded
+    try:
+        return load_native()
+    except NativeUnavailable:
+        return None

@@ -21,13 +21,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 template <typename T> struct Vec;
 template <> struct Vec<float> { typedef float type __attribute__((vector_size(64))); static constexpr int W = 16; };
 template <> struct Vec<double> { typedef double type __attribute__((vector_size(64))); static constexpr int W = 8; };
 
-typedef uint16_t bf16;
 
 template <typename Acc, typename KT> inline Acc scalar(const KT* p);
 template <> inline float scalar<float, float>(const float* p) { return *p; }
@@ -65,13 +66,6 @@ template <> inline Vec<double>::type load<double, bf16>(const bf16* p) {
   f8 f; std::memcpy(&f, &w, sizeof(f)); return __builtin_convertvector(f, Vec<double>::type);
 }
 
-// Keeps a loaded vector in a register: without it GCC folds the load into each FMA that uses it,
-// and the 4x4 logit tile issues 20 loads per 16 FMAs instead of 8.
-#if defined(__AVX512F__)  // a 64-byte vector is one register only there
-template <typename V> inline void in_register(V& v) { asm("" : "+v"(v)); }
-#else
-template <typename V> inline void in_register(V& v) { (void)v; }
-#endif
 
 template <typename Acc> inline Acc hsum(typename Vec<Acc>::type v) {
   Acc s = 0;
@@ -79,23 +73,6 @@ template <typename Acc> inline Acc hsum(typename Vec<Acc>::type v) {
   return s;
 }
 
-// Sixteen horizontal sums at once: lane l of the result is the sum of v[l]'s lanes (a transposing
-// add tree: 15 vector adds instead of 16 lane-by-lane reductions).
-inline Vec<float>::type hsum16(const Vec<float>::type* v) {
-  typedef Vec<float>::type V;
-  V a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
 
 // exp of 16 floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts) and p
 // the degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~1e-7, about one ulp). Below
@@ -206,7 +183,7 @@ void logit_tile(const Acc* const* qn_, const Acc* const* qp, int qn, const KT* c
   dot_segment<Acc, KT>(qn_, qn, keys, kn, 0, r, acc, tail, ahead);
   dot_segment<Acc, KT>(qp, qn, keys, kn, r, rope, acc, tail, ahead);
   if constexpr (Vec<Acc>::W == 16) {  // float: the 16 horizontal sums of the tile in one add tree
-    const V sums = hsum16(&acc[0][0]);
+    const f16v sums = hsum16(&acc[0][0]);
     for (int j = 0; j < qn; ++j)
       for (int k = 0; k < kn; ++k) logits[j * ld + k] = sums[j * KB + k] + tail[j][k];
   } else {

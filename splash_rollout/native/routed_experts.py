@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch import nn
 
-from splash_rollout.native.small_matmul import _DTYPES, _library
+from splash_rollout.native.build import DTYPES, library_or_none
 
 MAX_ROWS = 512
 """Largest number of rows a call takes. Measured (16 experts of 512 x 256, top-2, 2 threads): the
@@ -52,8 +52,8 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, exp
     float32 [N, hidden]; x [N, hidden], idx [N, k] int64 global ids, weight [N, k] float32.
     None where the kernel does not apply."""
     n = x.shape[0]
-    if (n == 0 or n > MAX_ROWS or x.device.type != "cpu" or x.dtype not in _DTYPES or len(experts) == 0
-            or (torch.is_grad_enabled() and x.requires_grad) or _library() is None):
+    if (n == 0 or n > MAX_ROWS or x.device.type != "cpu" or x.dtype not in DTYPES or len(experts) == 0
+            or (torch.is_grad_enabled() and x.requires_grad) or library_or_none() is None):
         return None
     flat = _expert_weights(experts)
     if flat is None or flat[0].dtype != x.dtype or (torch.is_grad_enabled() and flat[0].requires_grad):
@@ -66,7 +66,7 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, exp
     gate_weight = weight.to(torch.float32).contiguous()
     table = torch.tensor([w.data_ptr() for w in flat], dtype=torch.int64)
     out = torch.empty((n, hidden), dtype=torch.float32)
-    code = _library().splash_routed_experts(_DTYPES[x.dtype], n, hidden, inter, x.data_ptr(), x.stride(0),
+    code = library_or_none().splash_routed_experts(DTYPES[x.dtype], n, hidden, inter, x.data_ptr(), x.stride(0),
                                             idx.data_ptr(), gate_weight.data_ptr(), idx.shape[1], table.data_ptr(),
                                             len(experts), first_expert, out.data_ptr())
     if code != 0:

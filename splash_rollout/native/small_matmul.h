@@ -1,6 +1,7 @@
 // Register tiles for products with few activation rows, shared by small_matmul.cpp (one product)
 // and routed_experts.cpp (a MoE block's routed experts in one call). See small_matmul.cpp for why.
 #pragma once
+#include "simd.h"
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -10,9 +11,7 @@
 
 namespace {
 
-typedef float f16v __attribute__((vector_size(64)));  // 16 float lanes (one AVX-512 register)
 constexpr int W = 16;
-typedef uint16_t bf16;
 
 inline float bf16_to_float(bf16 h) {
   uint32_t bits = (uint32_t)h << 16; float f; std::memcpy(&f, &bits, 4); return f;
@@ -39,40 +38,11 @@ template <> inline f16v load<bf16>(const bf16* p) {
   f16v f; std::memcpy(&f, &w, sizeof(f)); return f;
 }
 
-// Keeps a loaded vector in a register: without it GCC folds the load into every FMA that uses it,
-// and a 4x4 tile then issues two loads per FMA instead of one per two (measured: 3x slower).
-#if defined(__AVX512F__)  // a 64-byte vector is one register only there
-inline void in_register(f16v& v) { asm("" : "+v"(v)); }
-#else
-inline void in_register(f16v& v) { (void)v; }
-#endif
 
 template <typename T> inline void store(T* p, float v);
 template <> inline void store<float>(float* p, float v) { *p = v; }
 template <> inline void store<bf16>(bf16* p, float v) { *p = float_to_bf16(v); }
 
-// Sixteen horizontal sums at once: lane l of the result is the sum of v[l]'s lanes (a transposing
-// add tree, 15 adds and 30 shuffles, instead of 16 lane-by-lane reductions).
-inline f16v hsum16(const f16v* v) {
-  f16v a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // [v(2i) 8 partial sums | v(2i+1) 8 partial sums]
-    const f16v p = v[2 * i], q = v[2 * i + 1];
-    a[i] = __builtin_shufflevector(p, q, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(p, q, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {  // 4 partial sums each of v(4i) .. v(4i+3)
-    const f16v p = a[2 * i], q = a[2 * i + 1];
-    b[i] = __builtin_shufflevector(p, q, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(p, q, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {  // 2 partial sums each of v(8i) .. v(8i+7)
-    const f16v p = b[2 * i], q = b[2 * i + 1];
-    c[i] = __builtin_shufflevector(p, q, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(p, q, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
 
 struct Shape {
   int64_t batch, m, n, k;

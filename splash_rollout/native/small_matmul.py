@@ -12,34 +12,20 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.native.build import NativeUnavailable, load_native, native_available  # noqa: F401
+from splash_rollout.native.build import DTYPES, library_or_none
 
 MAX_ROWS = 16
 """Largest number of activation rows sent to the kernel; above it torch's blocked matmul is faster
 (it reuses each loaded weight across more rows than the kernel's 4-row register tile)."""
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_lib = None
-_unavailable = False
-
-
-def _library():
-    global _lib, _unavailable
-    if _lib is None and not _unavailable:
-        try:
-            _lib = load_native()
-        except NativeUnavailable:
-            _unavailable = True  # torch's path, silently: this is a speed choice, not a feature
-    return _lib
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes x [..., M, K] times this weight: CPU, float32/bfloat16 alike,
     at most MAX_ROWS rows per weight, and nothing that needs a gradient."""
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in _DTYPES and x.shape[-2] <= MAX_ROWS and x.shape[-2] > 0
+            and x.dtype in DTYPES and x.shape[-2] <= MAX_ROWS and x.shape[-2] > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and _library() is not None)
+            and library_or_none() is not None)  # none: torch's path, silently (a speed choice)
 
 
 def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -67,8 +53,8 @@ def small_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     else:
         b, x_sb, w_sb = x.shape[0], x.stride(0), weight.stride(0)
         y = torch.empty((b, m, n), dtype=x.dtype)
-    code = _library().splash_small_matmul(
-        _DTYPES[x.dtype], b, m, n, k, x.data_ptr(), x_sb, x.stride(-2), weight.data_ptr(), w_sb, weight.stride(-2),
+    code = library_or_none().splash_small_matmul(
+        DTYPES[x.dtype], b, m, n, k, x.data_ptr(), x_sb, x.stride(-2), weight.data_ptr(), w_sb, weight.stride(-2),
         weight.stride(-1), None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0) if not flat else 0,
         y.stride(-2))
     if code != 0:

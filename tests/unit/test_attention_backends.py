@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from splash_rollout.engine.attention import get_backend
-from splash_rollout.engine.attention.cpu_paged import CpuPagedBackend, native_available, work_split
+from splash_rollout.engine.attention.cpu_paged import CpuPagedBackend, work_split
+from splash_rollout.native import native_available
 from splash_rollout.engine.attention.torch_batched import TorchBackend
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec

@@ -8,7 +8,8 @@ from splash_rollout.models.moe import DenseMLP, run_experts
 from splash_rollout.models.numerics import head_matmul, linear, numerics
 from splash_rollout.native import routed_experts as routed_module
 from splash_rollout.native.routed_experts import routed_experts
-from splash_rollout.native.small_matmul import MAX_ROWS, native_available, small_matmul
+from splash_rollout.native import native_available
+from splash_rollout.native.small_matmul import MAX_ROWS, small_matmul
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C++ compiler for the native kernels")
 

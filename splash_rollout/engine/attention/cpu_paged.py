@@ -20,11 +20,10 @@ import warnings
 import torch
 
 from splash_rollout.engine.attention.base import AttentionBackend
-from splash_rollout.native.build import NativeUnavailable, load_native, native_available  # noqa: F401
 from splash_rollout.engine.attention.torch_batched import TorchBackend
 from splash_rollout.models.numerics import acc_dtype
+from splash_rollout.native.build import DTYPES, NativeUnavailable, load_native
 
-_KV_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _ACC_CODES = {torch.float32: 0, torch.float64: 1}
 MAX_TILE_VECTORS = 16
 """Query vectors (rows x heads) one work item scores against each key it reads."""
@@ -62,7 +61,7 @@ class CpuPagedBackend(AttentionBackend):
                 partial: bool = False):
         cache = pool.kv[layer]  # [num_pages, page_size, r + rope]
         acc = acc_dtype(q_nope_abs.dtype)
-        if self.lib is None or cache.device.type != "cpu" or cache.dtype not in _KV_CODES or acc not in _ACC_CODES:
+        if self.lib is None or cache.device.type != "cpu" or cache.dtype not in DTYPES or acc not in _ACC_CODES:
             return self.fallback.forward(layer, q_nope_abs, q_pe, pool, batch, selected, scale, partial)
         n, h, r = q_nope_abs.shape
         q_nope, q_pe = _rows_heads(q_nope_abs.to(acc)), _rows_heads(q_pe.to(acc))  # [N, H, r], [N, H, rope]
@@ -74,7 +73,7 @@ class CpuPagedBackend(AttentionBackend):
             rows, group = work_split(batch.num_seqs, h, torch.get_num_threads())
             cache = cache.contiguous()
             code = self.lib.splash_paged_mla(
-                _ACC_CODES[acc], _KV_CODES[cache.dtype], q_nope.data_ptr(), *q_nope.stride()[:2], q_pe.data_ptr(),
+                _ACC_CODES[acc], DTYPES[cache.dtype], q_nope.data_ptr(), *q_nope.stride()[:2], q_pe.data_ptr(),
                 *q_pe.stride()[:2], cache.data_ptr(), table.data_ptr(), table.shape[1], seq_lens.data_ptr(),
                 row_start.data_ptr(), batch.num_seqs, positions.data_ptr(), None if sel is None else sel.data_ptr(),
                 sel_width, n, h, r, q_pe.shape[-1], batch.page_size, float(scale), out.data_ptr(), *out.stride()[:2],
