@@ -180,17 +180,25 @@ class ForwardBatch:
         """The sub-batch of the requests ``rank`` owns (rows re-based) and their rows here: [n] int64.
 
         Cached on the batch, so every layer of a step shares one sub-batch (and its DSA scratch)."""
-        key = ("owned_by", rank)
+        return self.subset([b for b, o in enumerate(self.owners) if o == rank], ("owned_by", rank), owner=rank)
+
+    def subset(self, seqs: Sequence[int], key: Any, owner: int | None = None) -> tuple["ForwardBatch", torch.Tensor]:
+        """The sub-batch of requests ``seqs`` (ascending indices into B; rows re-based, no sampled rows)
+        and their rows in this batch: [n] int64. Cached on the batch under ``key`` so every layer of a
+        step shares one sub-batch; ``owner`` replaces the requests' owners when given."""
         if key not in self.scratch:
-            mine = [b for b, o in enumerate(self.owners) if o == rank]
-            seq_idx = torch.tensor(mine, dtype=torch.int64, device=self.device)
-            rows = torch.nonzero(self.row_owners == rank).flatten()
+            seqs = list(seqs)
+            seq_idx = torch.tensor(seqs, dtype=torch.int64, device=self.device)
+            chosen = torch.zeros(self.num_seqs, dtype=torch.bool, device=self.device)
+            chosen[seq_idx] = True
+            rows = torch.nonzero(chosen.index_select(0, self.row_seq)).flatten()
             new_seq = torch.full((self.num_seqs,), -1, dtype=torch.int64, device=self.device)
-            new_seq[seq_idx] = torch.arange(len(mine), device=self.device)
+            new_seq[seq_idx] = torch.arange(len(seqs), device=self.device)
+            owners = [self.owners[b] if owner is None else owner for b in seqs]
             sub = ForwardBatch(self.input_ids[rows], self.positions[rows], self.out_slots[rows],
                                self.block_table[seq_idx], self.seq_lens[seq_idx], new_seq[self.row_seq[rows]],
                                torch.empty(0, dtype=torch.int64, device=self.device),
-                               [self.num_new[b] for b in mine], [rank] * len(mine), self.page_size)
+                               [self.num_new[b] for b in seqs], owners, self.page_size)
             self.scratch[key] = (sub, rows)
         return self.scratch[key]
 

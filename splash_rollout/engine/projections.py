@@ -59,13 +59,20 @@ class ProjectionShard:
         """q_nope [N, h, nope] -> q_nope_abs [N, h, kv_lora] (W_UK absorbed)."""
         return head_matmul(q_nope, self._kv_b(attn)[:, : attn.nope_dim, :])
 
-    def output(self, attn, out_latent: torch.Tensor) -> torch.Tensor:
-        """out_latent [N, h, kv_lora] -> [N, hidden]: W_UV then this shard's o_proj columns
-        (a partial sum over heads when the shard is H/T of them: then it stays in the accumulation
-        dtype, and the caller rounds it after the all-reduce)."""
+    def values(self, attn, out_latent: torch.Tensor) -> torch.Tensor:
+        """out_latent [N, h, kv_lora] -> per-head values [N, h, v] (W_UV, the absorbed form's last step)."""
         w_uv = self._kv_b(attn)[:, attn.nope_dim:, :].transpose(1, 2)  # [h, r, v]
-        v = head_matmul(out_latent, w_uv)
-        return linear(v.reshape(v.shape[0], -1), self.o, keep=self.num_heads < attn.num_heads)
+        return head_matmul(out_latent, w_uv)
+
+    def o_project(self, attn, values: torch.Tensor) -> torch.Tensor:
+        """values [N, h, v] -> [N, hidden]: this shard's o_proj columns (a partial sum over heads when
+        the shard is H/T of them: then it stays in the accumulation dtype, and the caller rounds it
+        after the all-reduce)."""
+        return linear(values.reshape(values.shape[0], -1), self.o, keep=self.num_heads < attn.num_heads)
+
+    def output(self, attn, out_latent: torch.Tensor) -> torch.Tensor:
+        """out_latent [N, h, kv_lora] -> [N, hidden]: W_UV then o_proj (see ``o_project``)."""
+        return self.o_project(attn, self.values(attn, out_latent))
 
 
 def slice_projections(attn, heads: slice, q_b: torch.Tensor | None = None, kv_b: torch.Tensor | None = None,

@@ -27,6 +27,10 @@ def causal_allowed(start_pos: int, num_new: int, seq_len: int, device=None) -> t
 
 class AttentionBackend(abc.ABC):
     name: str = "base"
+    expands_prefill: bool = False
+    """Whether the executors may run long prefill chunks in expanded form (``expanded_prefill``)
+    beside this backend, under fast numerics. Off for the reference backends (they are the oracle
+    the expanded form is checked against) and for the GPU backends until it is measured there."""
 
     @abc.abstractmethod
     def forward(self, layer: int, q_nope_abs: torch.Tensor, q_pe: torch.Tensor, pool: "KVPool",

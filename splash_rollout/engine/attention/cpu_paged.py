@@ -47,6 +47,7 @@ def work_split(num_seqs: int, heads: int, threads: int) -> tuple[int, int]:
 
 class CpuPagedBackend(AttentionBackend):
     name = "cpu"
+    expands_prefill = True
 
     def __init__(self) -> None:
         self.fallback = TorchBackend()

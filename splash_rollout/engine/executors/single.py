@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from splash_rollout.engine.attention import AttentionBackend
+from splash_rollout.engine.attention.expanded_prefill import expanded_attention, plan_forms
 from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool
@@ -69,15 +70,28 @@ def dsa_select(attn, pool: KVPool, x: torch.Tensor, q_a: torch.Tensor | None,
 def attend_local(attn, shard: ProjectionShard, pool: KVPool, backend: AttentionBackend, x: torch.Tensor,
                  batch: ForwardBatch) -> torch.Tensor:
     """All of ``shard``'s heads over histories stored here: x [N, hidden] -> [N, hidden] (partial over
-    heads when the shard is a slice)."""
+    heads when the shard is a slice). Long prefill chunks run in expanded form where the backend
+    takes it (``expanded_prefill``), everything else absorbed."""
     layer = attn.layer_idx
     q_nope, q_pe, q_a = shard.project_q(attn, x, batch.positions)  # [N, h, nope], [N, h, rope]
     c_kv, k_pe = attn.project_kv(x, batch.positions)  # [N, r], [N, rope]
     pool.write_kv(layer, batch.out_slots, c_kv, k_pe)
     selected = dsa_select(attn, pool, x, q_a, batch)
-    out_latent, _ = backend.forward(layer, shard.absorb(attn, q_nope), q_pe, pool, batch, selected,
-                                    attn.softmax_scale)  # [N, h, r]
-    return shard.output(attn, out_latent)
+    plan = plan_forms(attn, batch, backend.expands_prefill)
+    if not plan.expanded:
+        out_latent, _ = backend.forward(layer, shard.absorb(attn, q_nope), q_pe, pool, batch, selected,
+                                        attn.softmax_scale)  # [N, h, r]
+        return shard.output(attn, out_latent)
+    values = q_nope.new_empty((batch.num_tokens, shard.num_heads, attn.v_dim))  # [N, h, v]
+    if plan.absorbed:
+        sub, rows = batch.subset(plan.absorbed, "absorbed_rows")
+        sub_selected = None if selected is None else selected[rows, : sub.max_seq_len]
+        out_latent, _ = backend.forward(layer, shard.absorb(attn, q_nope[rows]), q_pe[rows], pool, sub,
+                                        sub_selected, attn.softmax_scale)
+        values[rows] = shard.values(attn, out_latent)
+    rows, expanded = expanded_attention(attn, shard.kv_b, pool, q_nope, q_pe, batch, plan.expanded, selected)
+    values[rows] = expanded
+    return shard.o_project(attn, values)
 
 
 class SingleRankExecutor(AttentionExecutor):
