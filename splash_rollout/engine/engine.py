@@ -30,6 +30,7 @@ from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.engine.attention import get_backend
 from splash_rollout.engine.block_table import BlockTable
+from splash_rollout.engine.cpu_share import CpuShare
 from splash_rollout.engine.executors.cp import CPExecutor
 from splash_rollout.engine.executors.dop import DOPExecutor
 from splash_rollout.engine.executors.dp import DPExecutor
@@ -103,6 +104,8 @@ class EngineSettings:
     """The samples of one prompt share its KV pages and prefill it once."""
     return_routing: bool = False
     """Rank 0 records every token's routed experts per MoE layer (engine/routing_capture.py)."""
+    cpu_share: bool = True
+    """One CPU rank: each step computes with the cores other processes leave free (engine/cpu_share.py)."""
 
     @property
     def initial_pages(self) -> int:
@@ -178,6 +181,9 @@ class Engine:
         self.routing = (RoutingRecorder(sum(map(config.is_moe_layer, range(config.num_layers))),
                                         config.num_experts_per_tok) if settings.return_routing and rank == 0 else None)
         """Rank 0 with ``return_routing``: each request's routed experts, until its result takes them."""
+        self.cpu_share = CpuShare(torch.get_num_threads(),
+                                  enabled=settings.cpu_share and t == 1 and self.device.type == "cpu")
+        """Threads per step (one CPU rank): fewer while other processes hold the cores."""
         self.num_steps = 0
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds and
@@ -249,7 +255,8 @@ class Engine:
                         finished.extend(self.abort_all())
                     break
                 mid_step = True
-                prev = self._step(control.switch, nbytes, time.perf_counter() - t0)
+                with self.cpu_share.step():
+                    prev = self._step(control.switch, nbytes, time.perf_counter() - t0)
                 mid_step = False
                 steps += 1
                 if self.rank == 0:
@@ -337,7 +344,7 @@ class Engine:
                 "prefix_hit_tokens": sched.prefix_hit_tokens,
                 "pages_used": sched.placement.pages_in_use, "pages_promised": sched.pages_promised(),
                 "pages_total": [m.num_pages for m in sched.placement.managers],
-                "running": len(sched.running), "control_bytes": control_bytes,
+                "running": len(sched.running), "control_bytes": control_bytes, "threads": self.cpu_share.current,
                 "seconds": control_s + clock[-1] - clock[0],
                 "split_s": {"control": control_s, "schedule": schedule_s, "batch": batch_s, "forward": forward_s,
                             "sample": sample_s, "policy": self.driver.take_policy_s()}})

@@ -83,6 +83,13 @@ class EngineConfig:
     every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
     prefix_sharing: bool = True
     """The samples of a prompt (``n`` > 1) share its KV pages and prefill it once."""
+    cpu_share: bool = True
+    """On CPU with one rank: each step uses only the cores other processes leave free (read from
+    /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or
+    another job on the same cores then slows the engine by its fair share instead of stalling every
+    OpenMP barrier (measured 2 cores, one 2-thread job beside: 7-21 tokens/s with 2 threads kept,
+    89-125 with 1). Ranks of a multi-rank engine keep their thread count: they compute replicated
+    values that must agree bit for bit. False: always the threads set at build time."""
     flush_denormal: bool = True
     """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
     of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below

@@ -178,7 +178,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
                           reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
                           admission=AdmissionSettings(mode=config.admission), prefix_sharing=config.prefix_sharing,
-                          return_routing=bool(getattr(config, "return_routing", False)))
+                          return_routing=bool(getattr(config, "return_routing", False)),
+                          cpu_share=bool(getattr(config, "cpu_share", True)))
 
 
 def rank_device(config, rank: int) -> str:
