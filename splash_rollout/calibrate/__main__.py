@@ -26,6 +26,8 @@ from splash_rollout.scheduling.profile import CollectiveCost, HardwareProfile, s
 
 CAL_BATCHES = (1, 3, 8, 24)
 CAL_CONTEXTS = (32, 128, 512, 768)
+ENGINE_OF_BACKEND = {"cpu": "cpu", "torch": "torch_ref", "torch_ref": "torch_ref"}
+"""The cost model's engine kind (``HardwareProfile.engine``) that prices each attention backend."""
 QUICK_BATCHES = (1, 4, 12)
 QUICK_CONTEXTS = (32, 256)
 """``--quick``: a grid that runs in well under a minute, to check the command end to end (its fit is
@@ -48,19 +50,21 @@ def _microbenchmarks(group, world_size: int, memory_gib: float) -> HardwareProfi
         step_overhead_s=max(r["step_overhead_s"] for r in ranks), layer_overhead_s=20e-6)
 
 
-def measure_engine_grid(group, model: str, batches, contexts, repeats: int, log=sys.stderr) -> list[dict]:
+def measure_engine_grid(group, model: str, batches, contexts, repeats: int, attention_backend: str = "cpu",
+                        log=sys.stderr) -> list[dict]:
     """Every layout's prefill / decode step times over batches x contexts on ``group``."""
     from splash_rollout.bench.layouts import bench_on_rank
 
     start = time.perf_counter()
     points = group.run(bench_on_rank, model, [l.value for l in ALL_LAYOUTS], list(batches), list(contexts), 16,
-                       repeats, timeout_s=7200)[0]
+                       repeats, timeout_s=7200, attention_backend=attention_backend)[0]
     print(f"  engine grid: {len(points)} points in {time.perf_counter() - start:.1f} s", file=log, flush=True)
     return points
 
 
 def calibrate(world_size: int, memory_gib: float, fit_engine: bool = True, model: str = "glm5-nano",
-              batches=CAL_BATCHES, contexts=CAL_CONTEXTS, repeats: int = 3) -> tuple[HardwareProfile, dict]:
+              batches=CAL_BATCHES, contexts=CAL_CONTEXTS, repeats: int = 3,
+              attention_backend: str = "cpu") -> tuple[HardwareProfile, dict]:
     """(θ, report): microbenchmarks, then (``fit_engine``) the engine-grid fit on top of them."""
     from splash_rollout.distributed.launch import WorkerGroup
 
@@ -69,13 +73,15 @@ def calibrate(world_size: int, memory_gib: float, fit_engine: bool = True, model
         profile = _microbenchmarks(group, world_size, memory_gib)
         if not fit_engine:
             return profile, {}
-        print(f"engine grid: {model}, B {list(batches)} x context {list(contexts)}, {repeats} repeats ...",
+        print(f"engine grid: {model}, {attention_backend} attention, B {list(batches)} x context {list(contexts)}, "
+              f"{repeats} repeats ...",
               file=sys.stderr, flush=True)
-        points = measure_engine_grid(group, model, batches, contexts, repeats)
-    return fit_measured(profile, points, model)
+        points = measure_engine_grid(group, model, batches, contexts, repeats, attention_backend)
+    return fit_measured(profile, points, model, attention_backend)
 
 
-def fit_measured(profile: HardwareProfile, points: list[dict], model: str) -> tuple[HardwareProfile, dict]:
+def fit_measured(profile: HardwareProfile, points: list[dict], model: str,
+                 attention_backend: str = "cpu") -> tuple[HardwareProfile, dict]:
     import torch
 
     from splash_rollout.engine.engine import sizes_for
@@ -84,10 +90,12 @@ def fit_measured(profile: HardwareProfile, points: list[dict], model: str) -> tu
 
     print(f"fitting {len(points)} grid points ...", file=sys.stderr, flush=True)
     cfg = resolve_model(model)
-    fitted, report = fit_profile(points, cfg, sizes_for(cfg, torch.float32), profile)
+    fitted, report = fit_profile(points, cfg, sizes_for(cfg, torch.float32), profile,
+                                 engine=ENGINE_OF_BACKEND[attention_backend])
     print(f"fit: median |error| {report['median_abs_error']:.1%}, max {report['max_abs_error']:.1%} "
           f"over {2 * len(points)} steps", file=sys.stderr)
-    return fitted, {"model": model, "fit": report, "points": points, "microbenchmarks": profile.to_dict()}
+    return fitted, {"model": model, "attention_backend": attention_backend, "fit": report, "points": points,
+                    "microbenchmarks": profile.to_dict()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="profile.yaml", help="YAML profile path")
     parser.add_argument("--no-engine-fit", action="store_true", help="microbenchmarks only (seconds, not minutes)")
     parser.add_argument("--model", default="glm5-nano", help="model the engine grid runs")
+    parser.add_argument("--attention-backend", choices=sorted(ENGINE_OF_BACKEND), default="cpu",
+                        help="the backend the engine grid runs (default cpu, the engine's own default); the profile "
+                             "prices that engine")
     parser.add_argument("--quick", action="store_true",
                         help=f"a small engine grid (B {list(QUICK_BATCHES)} x context {list(QUICK_CONTEXTS)}, "
                              f"1 repeat) that checks the command end to end")
@@ -122,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.measured) as f:
             saved = json.load(f)
         base = HardwareProfile.from_dict(saved["microbenchmarks"], source=args.measured)
-        profile, report = fit_measured(base, saved["points"], saved.get("model", args.model))
+        # grids saved before the cpu backend existed were measured with the batched torch backend
+        profile, report = fit_measured(base, saved["points"], saved.get("model", args.model),
+                                       saved.get("attention_backend", "torch"))
     else:
         profile, report = calibrate(args.world_size, args.memory_gib, not args.no_engine_fit, args.model,
-                                    batches, contexts, repeats)
+                                    batches, contexts, repeats, args.attention_backend)
     save_profile(profile, args.out)
     if args.points_json and report:
         with open(args.points_json, "w") as f:

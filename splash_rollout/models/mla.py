@@ -43,6 +43,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
         self.kv_b_proj = Linear(config.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(h * self.v_dim, config.hidden_size, bias=False)
+        self.index_topk = config.index_topk if config.has_indexer else 0
+        """Keys a query attends at most under DSA (0: no selection)."""
         self.uses_shared_topk = config.has_indexer and config.indexer_types[layer_idx] == "shared"
         self.indexer = Indexer(config, rotary) if config.has_indexer and not self.uses_shared_topk else None
         self._rotary = (rotary,)  # shared across layers, kept out of the module tree

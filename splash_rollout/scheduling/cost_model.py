@@ -150,6 +150,8 @@ class _Consts:
     q_lora: int  # q latent width (0: no q compression)
     kv_lora: int
     qk_rope: int
+    nope: int  # qk_nope_head_dim
+    v: int  # v_head_dim
     expert_bytes: int
     f_expert: float  # FLOP per routed row per expert
     dense_bytes: int
@@ -191,6 +193,7 @@ def _consts(model: ModelConfig, sizes: AttentionBytes) -> _Consts:
         topk=c.index_topk if c.has_indexer else 0,
         lat_bytes=lat, idx_bytes=kv_vector_bytes(c.index_head_dim, kf) if c.has_indexer else 0,
         q_width=(c.q_lora_rank or h) + d + c.qk_rope_head_dim, q_lora=c.q_lora_rank or 0, kv_lora=d, qk_rope=c.qk_rope_head_dim,
+        nope=c.qk_nope_head_dim, v=c.v_head_dim,
         expert_bytes=3 * matrix_bytes(c.moe_intermediate_size or 1, h, wd),
         f_expert=2.0 * 3 * h * c.moe_intermediate_size,
         dense_bytes=3 * matrix_bytes(c.intermediate_size, h, wd), f_dense=2.0 * 3 * h * c.intermediate_size,
@@ -216,6 +219,18 @@ def _pairs(start: np.ndarray, q: np.ndarray, cap: int) -> np.ndarray:
     return m * start + m * (m + 1) / 2 + (q - m) * cap
 
 
+def expanded_is_cheaper(num_new, seq_len, kv_lora: int, nope: int, rope: int, v: int, topk: int = 0):
+    """Whether a request's chunk (``num_new`` queries over ``seq_len`` keys; ints or arrays) costs
+    fewer multiply-adds per head in expanded MLA (kv_b once per key, then nope+rope wide keys and v
+    wide values over every causal key) than in absorbed MLA (W_UK and W_UV per query, kv_lora+rope
+    wide keys and kv_lora wide values over at most ``topk`` keys a query, 0: no DSA selection).
+    The engine's choice (``engine/attention/expanded_prefill.py``) and its price here."""
+    keys = np.minimum(seq_len, topk) if topk else seq_len
+    absorbed = num_new * (nope * kv_lora + keys * (2 * kv_lora + rope) + kv_lora * v)
+    expanded = seq_len * kv_lora * (nope + v) + num_new * seq_len * (nope + rope + v)
+    return expanded < absorbed
+
+
 def _per_rank(owners: np.ndarray, values: np.ndarray, t: int) -> np.ndarray:
     return np.bincount(owners, weights=values, minlength=t)[:t]
 
@@ -237,7 +252,8 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                             f"{layout.value}: KV of {int(batch.context.sum())} tokens does not fit a {pool}-token pool per rank")
     k = _consts(model, sizes)
     p = profile
-    ref = p.engine == "torch_ref"
+    ref = p.engine in ("torch_ref", "cpu")  # the engine this package runs: dense indexer, replicated CP
+    paged = p.engine == "cpu"  # ... whose cpu backend attends only the keys a row sees, in place
     s, q, own = batch.context, batch.query_rows, batch.owners
     n = float(q.sum())
     start = s - q
@@ -254,6 +270,9 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         gathered = (s_here >= REF_SPARSE_MIN_KEYS) & (4 * widest <= s_here)
         att_pairs = q * np.where(gathered, widest, s_here)  # [B] keys scored per head, on one rank
         att_gather = np.where(gathered, att_pairs, 0.0) * (k.kv_lora + k.qk_rope)  # [B] elements copied, all heads
+        if paged:  # causal / selected keys only, read in place; a CP rank holds 1/T of them
+            att_pairs = _pairs(start, q, k.topk) / (t if cp else 1)
+            att_gather = np.zeros(s.shape)
         idx_pairs = (q * s_here).astype(np.float64) if k.topk else np.zeros(s.shape)
         select = (q * s).astype(np.float64) if k.topk else np.zeros(s.shape)  # every rank selects from all
     else:
@@ -287,6 +306,17 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         idxr_load = idx_read.sum() / (t if cp else 1)
         busy_requests = float(active.sum())
     att_heads = h / t if layout is Layout.TP else h
+    # attention FLOP per head: absorbed, or (cpu engine, prefill chunks where it is cheaper, whole
+    # histories only) expanded -- kv_b once per key, narrow dot products, no W_UK / W_UV per row
+    att_flops = att_pairs * k.f_att
+    if paged and not cp:
+        wide = (q > 1) & expanded_is_cheaper(q.astype(np.float64), s.astype(np.float64), k.kv_lora, k.nope,
+                                             k.qk_rope, k.v, k.topk)
+        causal = _pairs(start, q, 0)  # the expanded form masks a DSA selection, it does not skip it
+        att_flops = np.where(wide, 2.0 * (s * k.kv_lora * (k.nope + k.v) + causal * (k.nope + k.qk_rope + k.v)
+                                          - q * k.kv_lora * (k.nope + k.v)), att_flops)
+    att_flop_load = (float(_per_rank(own, att_flops, t).max()) if owner_layout
+                     else float(att_flops.sum()) / (t if cp and not ref else 1))  # as att_load is
     sharded = layout.shards_projections
     rows_sh = float(ceil_div(int(n), t))
     ar_hidden = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
@@ -371,7 +401,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                 "attn_proj": _roof(proj_flops, mf, w_a, p.weight_read_Bps),
                 "indexer": _roof(idx_load * k.f_idx, af, 0.0, 1.0, idxr_load * k.idx_bytes, p.kv_read_Bps) + idx_elements
                 if full_idx and k.topk else 0.0,
-                "attention": _roof(att_load * k.f_att * att_heads, af, 0.0, 1.0, kv_load * k.lat_bytes, p.kv_read_Bps)
+                "attention": _roof(att_flop_load * att_heads, af, 0.0, 1.0, kv_load * k.lat_bytes, p.kv_read_Bps)
                 + att_elements,
                 "attn_comm": comm + (comm_idx if full_idx else 0.0),
                 "mlp": moe if is_moe else dense,

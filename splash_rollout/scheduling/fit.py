@@ -88,12 +88,13 @@ def _start(profile: HardwareProfile, name: str) -> float:
 
 
 def fit_profile(points: Sequence[dict], model: ModelConfig, sizes: AttentionBytes, base: HardwareProfile,
-                max_evals: int = 4000) -> tuple[HardwareProfile, dict]:
-    """θ fitted to ``points`` (measured with ``base.world_size`` ranks), starting from ``base``;
-    returns (profile with ``engine="torch_ref"``, report {median_abs_error, points, evaluations})."""
+                max_evals: int = 4000, engine: str = "cpu") -> tuple[HardwareProfile, dict]:
+    """θ fitted to ``points`` (measured with ``base.world_size`` ranks on the engine kind ``engine``:
+    ``cpu`` for the native backend, ``torch_ref`` for the torch ones), starting from ``base``;
+    returns (profile with that ``engine``, report {median_abs_error, points, evaluations})."""
     if not points:
         raise ValueError("points: expected at least one measured grid point")
-    base = base.replace(engine="torch_ref")
+    base = base.replace(engine=engine)
     x0 = np.log([_start(base, n) for n in FITTED])
     floors = np.log([next((f for k, f in _FLOOR.items() if n.endswith(k)), 1e-12) for n in FITTED])
     measured = np.log([[p["prefill_ms"], p["decode_ms"]] for p in points]).reshape(-1)

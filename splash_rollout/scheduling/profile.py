@@ -34,7 +34,7 @@ import yaml
 from splash_rollout.layout import GiB, MiB
 
 COLLECTIVES = ("all_gather", "all_to_all", "all_reduce")
-ENGINES = ("ideal", "torch_ref")
+ENGINES = ("ideal", "torch_ref", "cpu")
 OVERHEAD_FIELDS = ("request_layer_s", "request_step_s", "score_element_s", "expert_call_s")
 LAYOUT_NAMES = ("tp", "cp", "dp", "dop")
 STAGE_GROUPS = ("compute", "attention", "comm")
@@ -93,7 +93,10 @@ class HardwareProfile:
     engine: str = "ideal"
     """Which attention algorithms the priced engine runs (ENGINES): ``ideal`` -- paged kernels that
     touch only causal / selected keys, CP with pass-Q and pass-KV (the paper's engine; the GPU
-    presets); ``torch_ref`` -- this package's reference backend (what ``calibrate`` measures)."""
+    presets); ``torch_ref`` -- this package's reference and batched torch backends; ``cpu`` -- the
+    native CPU backend under fast numerics (what ``calibrate`` measures by default): paged
+    attention over causal / selected keys, long prefill chunks in expanded form, otherwise the
+    reference engine's indexer and CP."""
     request_layer_s: float = 0.0
     """Fixed cost per request per decoder layer on the busiest rank (per-request kernels), s."""
     request_step_s: float = 0.0

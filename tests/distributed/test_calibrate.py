@@ -17,7 +17,7 @@ def test_calibrate_quick_measures_the_group_and_the_engine_grid_and_fits_them(tm
     # the quick grid without its largest batch (the run's longest third): 16 points still fit
     assert main(["--world-size", "2", "--quick", "--batches", "1,4", "--out", str(out), "--points-json", str(points)]) == 0
     profile = load_profile(str(out))
-    assert profile.world_size == 2 and profile.engine == "torch_ref" and profile.request_step_s > 0
+    assert profile.world_size == 2 and profile.engine == "cpu" and profile.request_step_s > 0
     assert profile.matmul_flops > 1e8 and profile.weight_read_Bps > 1e8
     report = json.loads(points.read_text())
     micro = report["microbenchmarks"]  # what the group measured before the fit moved anything

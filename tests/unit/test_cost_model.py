@@ -228,9 +228,35 @@ def test_fit_recovers_the_constants_it_was_given():
                 points.append({"layout": layout, "batch": b, "context": s, "prefill_ms": pre, "decode_ms": dec})
     start = truth.replace(request_layer_s=1e-5, request_step_s=1e-5, score_element_s=1e-10, step_overhead_s=1e-4,
                           all_reduce=CollectiveCost(1e-5, 1e8))  # rates stay: the fit keeps them
-    fitted, report = fit_profile(points, cfg, sizes, start)
+    fitted, report = fit_profile(points, cfg, sizes, start, engine="torch_ref")
     assert report["median_abs_error"] < 0.02
     assert fitted.engine == "torch_ref"
     for p in points[::7]:
         pre, dec = predict_point(p, cfg, fitted, sizes)
         assert pre == pytest.approx(p["prefill_ms"], rel=0.1) and dec == pytest.approx(p["decode_ms"], rel=0.1)
+
+
+def test_cpu_engine_prices_causal_keys_and_expanded_prefill():
+    """The native backend reads only the keys a row sees (no rectangle, no gather) and runs long
+    prefill chunks in expanded form: cheaper than the reference's absorbed rectangle on prefill, the
+    same causal pairs as ``ideal`` on decode."""
+    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.scheduling.cost_model import expanded_is_cheaper
+
+    cfg = resolve_model("glm5-nano")
+    sizes = sizes_for(cfg, torch.float32)
+    base = load_profile("cpu").replace(score_element_s=0.0, kv_read_Bps=1e18)
+    ref, native, ideal = (base.replace(engine=e) for e in ("torch_ref", "cpu", "ideal"))
+
+    def att(prof, s, q):
+        return step_time("tp", StepBatch.make([s], [q], [0]), cfg, prof, sizes).stages["attention"]
+    assert att(native, 40, 1) == pytest.approx(att(ideal, 40, 1))  # decode: causal pairs, absorbed
+    assert att(native, 40, 1) == pytest.approx(att(ref, 40, 1))  # one row: the rectangle is the causal row
+    assert att(native, 48, 8) < att(ref, 48, 8)  # a short chunk stays absorbed, but skips the masked corner
+    assert att(native, 60, 60) < 0.7 * att(ideal, 60, 60)  # a whole prompt within the top-k: expanded
+    assert att(native, 512, 512) == pytest.approx(att(ideal, 512, 512))  # 512 keys, 64 selected: absorbed
+    assert expanded_is_cheaper(512, 512, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+    assert not expanded_is_cheaper(512, 512, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                   cfg.v_head_dim, cfg.index_topk)
+    assert not expanded_is_cheaper(1, 512, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)

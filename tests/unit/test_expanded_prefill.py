@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from splash_rollout.engine.attention import get_backend
-from splash_rollout.engine.attention.expanded_prefill import expanded_is_cheaper
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
@@ -21,6 +20,7 @@ from splash_rollout.models.mla import MLAAttention
 from splash_rollout.models.numerics import numerics
 from splash_rollout.models.rope import RotaryEmbedding
 from splash_rollout.native import native_available
+from splash_rollout.scheduling.cost_model import expanded_is_cheaper
 
 PAGE = 4
 # (history length after the step, rows this step): a whole prompt, a chunk after 4 positions,
@@ -52,9 +52,10 @@ def layer_and_batch(topk: int | None):
 
 
 @pytest.mark.skipif(not native_available(), reason="no C++ compiler here: the cpu backend falls back to torch")
-@pytest.mark.parametrize("topk", [None, 6], ids=["causal", "dsa-6"])
+# with a top-16 selection the 20-row chunk over 24 keys stays absorbed (16 keys a query is cheaper)
+@pytest.mark.parametrize("topk,expanded", [(None, [0, 1, 4, 5]), (16, [0, 4, 5])], ids=["causal", "dsa-16"])
 @pytest.mark.parametrize("heads", [None, slice(2, 6)], ids=["all-heads", "head-slice"])
-def test_expanded_prefill_equals_absorbed(topk, heads):
+def test_expanded_prefill_equals_absorbed(topk, expanded, heads):
     attn, pool, items, x = layer_and_batch(topk)
     shard = slice_projections(attn, heads or slice(0, attn.num_heads))
     outs, plans = [], []
@@ -67,7 +68,7 @@ def test_expanded_prefill_equals_absorbed(topk, heads):
             outs.append(attend_local(attn, shard, run_pool, get_backend(backend), x, batch))
         plans.append(batch.scratch["prefill_forms"])
     assert plans[0].expanded == []  # the reference backend stays absorbed
-    assert plans[1].expanded == [0, 1, 4, 5] and plans[1].absorbed == [2, 3]
+    assert plans[1].expanded == expanded and plans[1].absorbed == [b for b in range(len(REQUESTS)) if b not in expanded]
     assert not torch.isnan(outs[1]).any()
     assert torch.allclose(outs[1], outs[0], atol=2e-5, rtol=1e-4), (outs[1] - outs[0]).abs().max()
 
@@ -83,6 +84,8 @@ def test_reproducible_numerics_stay_absorbed():
 def test_cost_rule():
     dims = (512, 64, 64, 64)  # kv_lora, nope, rope, v of DeepSeek-V3-shaped checkpoints
     assert expanded_is_cheaper(128, 128, *dims)  # a whole prompt
+    assert expanded_is_cheaper(4096, 4096, *dims, 2048)  # 192-wide over every key still beats 1088-wide over 2048
+    assert not expanded_is_cheaper(16384, 16384, *dims, 2048)  # a long prompt under a top-2048 DSA selection
     assert expanded_is_cheaper(256, 512, *dims)  # a long chunk after a prefix
     assert not expanded_is_cheaper(1, 500, *dims)  # a decode row
     assert not expanded_is_cheaper(16, 640, *dims)  # a short chunk over a long history

@@ -7,7 +7,8 @@ once per key instead (per-head k_nope and v from the latent) and attends with qk
 v-wide values (128 and 64 on the benchmark checkpoint): ~5.7x fewer attention multiply-adds per
 (query, head, key). A prefill chunk has as many queries as new keys, so its projections cost the
 same in both forms and the attention decides; a decode row has one query against a long history,
-and absorbed stays far cheaper. ``expanded_is_cheaper`` is that count, per request.
+and absorbed stays far cheaper. ``scheduling.cost_model.expanded_is_cheaper`` is that count, per
+request (the cost model prices the same choice).
 
 The expanded form rounds differently from the absorbed one (k_nope is rounded before the dot
 product), so it is used only under ``fast`` numerics, and only for requests whose whole history is
@@ -25,14 +26,7 @@ import torch.nn.functional as F
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool
 from splash_rollout.models.numerics import linear, numerics_mode
-
-
-def expanded_is_cheaper(num_new: int, seq_len: int, kv_lora: int, nope: int, rope: int, v: int) -> bool:
-    """Whether a request's chunk (``num_new`` queries over ``seq_len`` keys) costs fewer
-    multiply-adds per head in expanded form than in absorbed form."""
-    absorbed = num_new * (nope * kv_lora + seq_len * (2 * kv_lora + rope) + kv_lora * v)
-    expanded = seq_len * kv_lora * (nope + v) + num_new * seq_len * (nope + rope + v)
-    return expanded < absorbed
+from splash_rollout.scheduling.cost_model import expanded_is_cheaper
 
 
 @dataclass(frozen=True)
@@ -52,9 +46,9 @@ def plan_forms(attn, batch: ForwardBatch, enabled: bool) -> FormPlan:
         if enabled and numerics_mode() == "fast" and any(k > 1 for k in batch.num_new):
             local = batch.key_stored().sum(dim=1).eq(batch.seq_lens).tolist()  # whole history stored here
             lens = batch.seq_lens.tolist()
-            dims = (attn.kv_lora_rank, attn.nope_dim, attn.rope_dim, attn.v_dim)
+            dims = (attn.kv_lora_rank, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.index_topk)
             expanded = [b for b in everything
-                        if local[b] and batch.num_new[b] > 1 and expanded_is_cheaper(batch.num_new[b], lens[b], *dims)]
+                        if local[b] and batch.num_new[b] > 1 and bool(expanded_is_cheaper(batch.num_new[b], lens[b], *dims))]
             taken = set(expanded)
             plan = FormPlan([b for b in everything if b not in taken], expanded)
         batch.scratch["prefill_forms"] = plan
