@@ -46,7 +46,9 @@ from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.projections import drop_full_projections, slice_projections
 from splash_rollout.engine.rank_state import RankState
 from splash_rollout.engine.request import Request
-from splash_rollout.engine.routing_capture import RoutingRecorder, maybe_step
+from splash_rollout.engine.routing_capture import RoutingRecorder
+from splash_rollout.engine.step_hooks import CopyOnWrite, RoutingCapture, StepHooks
+from splash_rollout.engine.step_log import StepClock, step_record
 from splash_rollout.engine.sampler import SamplingBatch, sample
 from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
@@ -181,6 +183,10 @@ class Engine:
         self.routing = (RoutingRecorder(sum(map(config.is_moe_layer, range(config.num_layers))),
                                         config.num_experts_per_tok) if settings.return_routing and rank == 0 else None)
         """Rank 0 with ``return_routing``: each request's routed experts, until its result takes them."""
+        self.hooks = StepHooks(([RoutingCapture(self.routing, self.scheduler)] if self.routing is not None else [])
+                               + ([CopyOnWrite(self.scheduler, lambda: self.state.pool, rank)]
+                                  if settings.prefix_sharing else []))
+        """Optional work around each step's forward (engine/step_hooks.py)."""
         self.cpu_share = CpuShare(torch.get_num_threads(),
                                   enabled=settings.cpu_share and t == 1 and self.device.type == "cpu")
         """Threads per step (one CPU rank): fewer while other processes hold the cores."""
@@ -302,29 +308,31 @@ class Engine:
 
     def _step(self, switch: tuple[Layout, bool] | None, control_bytes: int, control_s: float) -> "_Step":
         """One step on this rank after its control message: switch, schedule, batch, forward, sample."""
-        clock = [time.perf_counter()]
-
-        def lap() -> float:
-            clock.append(time.perf_counter())
-            return clock[-1] - clock[-2]
-
+        clock = StepClock(control_s)
         order = self._enter(*switch) if switch is not None else None
+        scheduled = self._schedule()
+        clock.lap("schedule")
+        batch = self._batch(scheduled)
+        clock.lap("batch")
+        with self.hooks.forward(scheduled, batch):
+            logits = self._forward(batch, order)
+        clock.lap("forward")
+        step = self._finish(scheduled, batch, logits, order)
+        clock.lap("sample")
+        self._record(scheduled, batch, clock, control_bytes, switched=order is not None)
+        return step
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        """The step's requests (the same on every rank); retracted requests give their rows back."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise RuntimeError("step: nothing schedulable although requests are pending")
         for r in self.scheduler.retracted:
             self.block_table.release(r.request_id)
-        schedule_s = lap()
-        batch = self._batch(scheduled)
-        batch_s = lap()
-        with maybe_step(self.routing, [s.request.request_id for s in scheduled], batch):
-            logits = self._forward(batch, order)
-        if self.routing is not None:
-            for taker, source, n in self.scheduler.prefix_sources:
-                self.routing.inherit(source.request_id, taker.request_id, n)
-        with torch.inference_mode():  # the pool's tensors are inference tensors after a switch resized them
-            self.state.pool.copy_pages(*self._copies_here())
-        forward_s = lap()
+        return scheduled
+
+    def _finish(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, logits, order) -> "_Step":
+        """Rank 0 samples and post-processes; a switch retires the pages it moved away from."""
         step = _Step(scheduled, batch.num_tokens)
         if self.rank == 0:
             tokens, logprobs = self._sample(scheduled, logits)
@@ -332,26 +340,19 @@ class Engine:
             step.tokens = tokens.to(torch.int32).cpu().numpy()
         if order is not None:
             retire_source_pages(self.scheduler.placement, order[1])
-        sample_s = lap()
         self.num_steps += 1
-        if self.rank == 0:
-            sched = self.scheduler
-            self.step_log.append({
-                "step": self.num_steps - 1, "layout": self.layout.value, "requests": len(scheduled),
-                "rows": batch.num_tokens,
-                "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0 or s.num_new > 1),
-                "forks": sum(len(s.forks) for s in scheduled), "retracted": len(sched.retracted),
-                "prefix_hit_tokens": sched.prefix_hit_tokens,
-                "pages_used": sched.placement.pages_in_use, "pages_promised": sched.pages_promised(),
-                "pages_total": [m.num_pages for m in sched.placement.managers],
-                "running": len(sched.running), "control_bytes": control_bytes, "threads": self.cpu_share.current,
-                "seconds": control_s + clock[-1] - clock[0],
-                "split_s": {"control": control_s, "schedule": schedule_s, "batch": batch_s, "forward": forward_s,
-                            "sample": sample_s, "policy": self.driver.take_policy_s()}})
-            self.driver.observe_step(self.step_log[-1], scheduled)  # dwell, online θ correction
-            if order is not None:
-                self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
         return step
+
+    def _record(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, clock: StepClock, control_bytes: int,
+                switched: bool) -> None:
+        """Rank 0: the step's log row, handed to the layout driver (dwell, online θ correction)."""
+        if self.rank != 0:
+            return
+        self.step_log.append(step_record(self.num_steps - 1, self.layout.value, scheduled, batch, self.scheduler,
+                                         clock, control_bytes, self.cpu_share.current, self.driver.take_policy_s()))
+        self.driver.observe_step(self.step_log[-1], scheduled)
+        if switched:
+            self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
 
     def _sample(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: one token per sampling chunk and per follower forked off it (the follower samples
@@ -365,11 +366,6 @@ class Engine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         return sample(logits, SamplingBatch.make([r.spec for r in params], [r.num_output_tokens for r in params],
                                                  logits.device))
-
-    def _copies_here(self) -> tuple[list[int], list[int]]:
-        """This rank's copy-on-write pages of the step (followers' copies of a last prompt page)."""
-        mine = [c for c in self.scheduler.copies if c.rank == self.rank]
-        return [c.src for c in mine], [c.dst for c in mine]
 
     def _batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         """This rank's ForwardBatch: O(B) Python plus tensor ops on the device."""

@@ -61,8 +61,3 @@ class RoutingRecorder:
     def forget(self, request_ids) -> None:
         for rid in request_ids:
             self._parts.pop(rid, None)
-
-
-def maybe_step(recorder: RoutingRecorder | None, request_ids: list[int], batch):
-    """``recorder.step(...)``, or nothing when routing is not returned."""
-    return recorder.step(request_ids, batch) if recorder is not None else contextlib.nullcontext()
