@@ -62,7 +62,8 @@ class CpuShare:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if threads < 1:
             raise ValueError(f"CpuShare: threads must be >= 1, got {threads}")
-        affinity = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
+        affinity = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                             else range(os.cpu_count() or 1))
         self.threads = threads
         """The most threads a step may use (the caller's count when the engine was built)."""
         self.cores = cores if cores is not None else len(affinity)

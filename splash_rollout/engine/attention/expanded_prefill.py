@@ -47,8 +47,8 @@ def plan_forms(attn, batch: ForwardBatch, enabled: bool) -> FormPlan:
             local = batch.key_stored().sum(dim=1).eq(batch.seq_lens).tolist()  # whole history stored here
             lens = batch.seq_lens.tolist()
             dims = (attn.kv_lora_rank, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.index_topk)
-            expanded = [b for b in everything
-                        if local[b] and batch.num_new[b] > 1 and bool(expanded_is_cheaper(batch.num_new[b], lens[b], *dims))]
+            expanded = [b for b in everything if local[b] and batch.num_new[b] > 1
+                        and bool(expanded_is_cheaper(batch.num_new[b], lens[b], *dims))]
             taken = set(expanded)
             plan = FormPlan([b for b in everything if b not in taken], expanded)
         batch.scratch["prefill_forms"] = plan
