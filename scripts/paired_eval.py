@@ -20,7 +20,6 @@ import glob
 import json
 import os
 import sys
-from math import comb
 
 import numpy as np
 import torch
@@ -29,18 +28,11 @@ from omegaconf import OmegaConf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes.grpo.build import build_engine_with_weights, max_prompt_len, model_source  # noqa: E402
+from recipes.grpo.evaluation import mcnemar_exact_p  # noqa: E402
 from recipes.grpo.reward_fns import RewardFunction  # noqa: E402
 from recipes.grpo.task_data import build_task_data  # noqa: E402
 from splash_rollout.models.tokenizer import load_tokenizer  # noqa: E402
 from splash_rollout.rollout.types import SamplingParams  # noqa: E402
-
-
-def mcnemar_exact_p(gained: int, lost: int) -> float:
-    """Two-sided exact binomial test of gained vs lost discordant prompts (p = 1/2 each)."""
-    n, k = gained + lost, min(gained, lost)
-    if n == 0:
-        return 1.0
-    return min(1.0, 2.0 * sum(comb(n, i) for i in range(k + 1)) / 2.0 ** n)
 
 
 def policies(run_dir: str) -> dict[str, str]:

@@ -11,14 +11,16 @@
         advantages = group_advantages(shape_rewards(rewards))           # overlong / KL-in-reward shaping
         stats      = grpo_update(trainer, batch, advantages)            # train (ZeRO-2 over the ranks)
         engine.update_weights(weights, version=step + 1)                # the engine samples the new policy
-        sink.log(step_metrics(...), step)                               # log
+        sink.log(step_metrics(...), step)                               # log (+ reward/mean_ma)
         if step + 1 is a save step: save_checkpoint(...)                # resume=<run dir> continues here
 
 Everything that can be checked is checked before SFT or any rollout: the reward function imports
 and answers a probe call, every data row has its keys, the eval split is not empty, a checkpoint to
 resume from belongs to this model. ``cfg`` is the composed Hydra config (see ``conf/``), turned into
 frozen configs in recipes/grpo/build.py. Outputs (rank 0): metrics.jsonl, timeline.json,
-timeline.png, samples.jsonl, summary.json, checkpoints/ and the W&B run, all under ``run_dir``.
+timeline.png, reward.png, samples.jsonl, summary.json, checkpoints/ and the W&B run, all under
+``run_dir``. With held-out eval, eval_correct.jsonl keeps each eval's per-prompt 1/0, and the
+after-SFT vs after-GRPO paired comparison is printed and kept as summary.json's ``eval/paired``.
 """
 from __future__ import annotations
 
@@ -39,10 +41,11 @@ from recipes.grpo.dynamic_sampling import GroupScorer, oversample_metrics
 from recipes.grpo.build import (build_engine, build_engine_with_weights, build_policy, eval_config, load_reference,
                                 loss_config, lr_schedule, max_prompt_len, model_source, oversample_config,
                                 partial_rollout_config, sft_config, tool_env, trainer_config)
-from recipes.grpo.evaluation import evaluate
+from recipes.grpo.evaluation import evaluate_per_prompt, paired_comparison
 from recipes.grpo.loss import group_advantages
 from recipes.grpo.metrics import memory_metrics, step_metrics
 from recipes.grpo.multi_turn import MultiTurnEngine
+from recipes.grpo.plots import moving_average, plot_reward
 from recipes.grpo.partial_rollout import Carry
 from recipes.grpo.reward_fns import RewardFunction, Rewards
 from recipes.grpo.sft import run_sft
@@ -139,10 +142,17 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         policy.load_state_dict(torch.load(s.load, map_location="cpu"), strict=True)
 
     sink: MetricsSink = NoOpSink()
+    past_rewards: list[float] = []  # reward/mean of the steps so far (rank 0), for reward/mean_ma
+    eval_file = os.path.join(run_dir, "eval_correct.jsonl")
     if rank == 0:
         if resume:
-            _truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), lambda r: r.get("grpo_step", -1) < state.step)
+            kept = _truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"),
+                                   lambda r: r.get("grpo_step", -1) < state.step)
+            past_rewards = [r["reward/mean"] for r in kept if "reward/mean" in r]
             _truncate_jsonl(os.path.join(run_dir, "samples.jsonl"), lambda r: r.get("step", -1) < state.step)
+            _truncate_jsonl(eval_file, lambda r: r.get("grpo_step", -1) < state.step)
+        elif os.path.exists(eval_file):
+            os.remove(eval_file)
         sink = make_sink(cfg.logger.kind, rank, run_dir, project=cfg.logger.project, name=cfg.logger.name,
                          mode=cfg.logger.mode, entity=cfg.logger.entity,
                          config=OmegaConf.to_container(cfg, resolve=True))
@@ -192,14 +202,18 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
     sleep_during_train = bool(cfg.engine.get("sleep_during_train", False))
     save_every = int(cfg.trainer.get("save_every", 0) or 0)
     samples_file = open(os.path.join(run_dir, "samples.jsonl"), "a") if rank == 0 else None
+    ma_window = max(1, int(g.summary_window))  # reward/mean_ma: trailing mean over this many steps
 
     def run_eval(step: int) -> dict[str, float]:
         if not evaluation.enabled or not (step % evaluation.every == 0 or step == g.steps):
             return {}
         t0 = time.perf_counter()
-        out = evaluate(engine, data.eval, reward_fn, tokenizer, evaluation, stop_ids)
+        out, correct = evaluate_per_prompt(engine, data.eval, reward_fn, tokenizer, evaluation, stop_ids)
         if rank == 0:
-            print(f"[eval] before step {step:3d}: accuracy {out['eval/accuracy']:.3f}"
+            with open(eval_file, "a") as f:  # per prompt, for the paired comparison at the end
+                f.write(json.dumps({"grpo_step": step, "correct": correct}) + "\n")
+            print(f"[eval] before step {step:3d}: accuracy {out['eval/accuracy']:.3f} "
+                  f"[{out['eval/accuracy_low']:.3f}, {out['eval/accuracy_high']:.3f}] on {len(correct)} prompts"
                   + "".join(f" {k[5:]} {v:.3f}" for k, v in out.items() if k.startswith("eval/pass@")), flush=True)
         return {**out, "timing_s/eval": time.perf_counter() - t0}
 
@@ -256,6 +270,8 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         metrics = {**step_metrics(batch, rewards, scored, timings), **shape_stats, **train_stats, **memory, **extra,
                    **(oversample_metrics(batch) if oversample else {}), **partial_stats,
                    "train/lr": schedule.lr_at(step), "grpo_step": float(step)}
+        past_rewards.append(metrics["reward/mean"])
+        metrics["reward/mean_ma"] = moving_average(past_rewards[-ma_window:], ma_window)[-1]
         sink.log(metrics, step=step_offset + step)
         timelines.append((step, batch.timeline.to_dict()))
         if samples_file is not None:
@@ -273,7 +289,9 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
                                  ref_model.state_dict() if own_reference else None, timelines,
                                  carried=carry.state_dict() if carry is not None else None)
     final_eval = run_eval(g.steps) if start < g.steps else {}
+    paired = paired_eval(eval_file, g.steps) if rank == 0 and final_eval else None
     if final_eval:
+        final_eval.update({f"eval/paired/{k}": float(v) for k, v in (paired or {}).items()})
         sink.log({**final_eval, "grpo_step": float(g.steps)}, step=step_offset + g.steps)
 
     summary: dict[str, Any] = {"sft": sft_summary}
@@ -285,8 +303,12 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         last = step_offset + g.steps - 1
         sink.log_table("timeline/phases", TABLE_COLUMNS, [r for s_, t in timelines for r in table_rows(s_, t)], last)
         sink.log_image("timeline/plot", png, last)
+        sink.log_image("reward/plot", plot_reward(os.path.join(run_dir, "reward.png"), history, ma_window, paired),
+                       last)
         summary.update(**reward_summary([h for h in history if "reward/mean" in h], cfg.grpo.summary_window),
                        **eval_summary(history), **data.metrics(), total_s=time.perf_counter() - t_start)
+        if paired:
+            summary["eval/paired"] = paired
         if carry is not None:  # cut off in the last step: never trained (nor dropped)
             summary["rollout/carried_at_end"] = float(len(carry.groups))
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -294,6 +316,10 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         summary["history"] = history
         curve = (f"reward first {summary['reward/first']:.3f} -> last {summary['reward/last']:.3f}"
                  if "reward/first" in summary else "no step trained")
+        if paired:
+            print(f"[eval] after GRPO vs after SFT, {paired['prompts']} held-out prompts: accuracy "
+                  f"{paired['accuracy_before']:.3f} -> {paired['accuracy_after']:.3f}, gained {paired['gained']}, "
+                  f"lost {paired['lost']}, paired exact p = {paired['p_value']:.2g}", flush=True)
         print(f"[grpo] done in {summary['total_s']:.0f}s: {curve}; outputs in {run_dir}", flush=True)
     sink.finish()
     engine.shutdown()
@@ -306,6 +332,18 @@ def log_sft(sink: MetricsSink, metrics: dict[str, float], step: int, rank: int, 
     if rank == 0:
         print(f"[sft] step {step:4d} loss {metrics['sft/loss']:.3f} lr {metrics['sft/lr']:.2e} "
               f"{metrics['timing_s/sft']:.0f}s", flush=True)
+
+
+def paired_eval(path: str, last_step: int) -> dict[str, float] | None:
+    """The first eval of the run (before GRPO step 0: the post-SFT policy) against the one after
+    the last step, prompt by prompt; None unless both are in ``path`` (eval_correct.jsonl)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = {r["grpo_step"]: r["correct"] for r in map(json.loads, filter(str.strip, f))}
+    if 0 not in rows or last_step not in rows or last_step == 0:
+        return None
+    return paired_comparison(rows[0], rows[last_step])
 
 
 def reward_summary(history: list[dict[str, float]], window: int) -> dict[str, Any]:
