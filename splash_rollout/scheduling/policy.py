@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
@@ -111,6 +112,29 @@ class PolicyConfig:
             raise ValueError(f"horizon_quantile: expected a value in [0, 1], got {self.horizon_quantile}")
 
 
+class DecisionRule(str, Enum):
+    """Which rule decided (``Decision.rule``): what programs and tests read; ``reason`` is for people."""
+
+    NOTHING_FITS = "nothing_fits"
+    """No layout holds the batch: keep the current one."""
+    INITIAL = "initial"
+    """A call's first decision: the fastest layout (priced over the phase ahead)."""
+    CURRENT_FASTEST = "current_fastest"
+    """The current layout is the fastest (after doubt about layouts that have not run)."""
+    DWELL = "dwell"
+    """The stay in the current layout is younger than the dwell, and no measured lead breaks it."""
+    FORCED = "forced"
+    """The current layout cannot hold the batch: switch to the fastest one that can."""
+    SWITCH = "switch"
+    """A faster layout's saving over the horizon pays its switch."""
+    NO_GAIN = "no_gain"
+    """Faster layouts exist but none pays its switch (margin, headroom or a dwell's factor)."""
+    PRESSURE_SWITCH = "pressure_switch"
+    """Out of KV pages: switching to a layout that holds the batch is cheaper than retracting."""
+    PRESSURE_RETRACT = "pressure_retract"
+    """Out of KV pages: retracting the youngest requests is cheaper than any switch."""
+
+
 @dataclass(frozen=True)
 class Decision:
     """One policy call: what runs next step and why."""
@@ -133,10 +157,12 @@ class Decision:
     """θ's own seconds per step per layout, before the online correction (empty without one)."""
     correction: dict = field(default_factory=dict)
     """The corrected θ the prices used (``online.Factors.to_dict``; empty without a correction)."""
+    rule: DecisionRule | None = None
+    """The rule that decided (None: a decision not made by ``LayoutPolicy``, e.g. a test's)."""
 
     def to_dict(self) -> dict:
         return {"current": None if self.current is None else self.current.value, "chosen": self.chosen.value,
-                "switch": self.switch, "reason": self.reason,
+                "switch": self.switch, "rule": None if self.rule is None else self.rule.value, "reason": self.reason,
                 "step_costs": {k: (None if math.isinf(v) else v) for k, v in self.step_costs.items()},
                 "switch_cost_s": self.switch_cost_s, "blocking_cost_s": self.blocking_cost_s,
                 "horizon_steps": self.horizon_steps, "admitted": dict(self.admitted),
@@ -518,23 +544,25 @@ class LayoutPolicy:
         if not order:
             keep = current if current is not None else cfg.layouts[0]
             return Decision(current, keep, False, "no layout holds the batch; keep", secs, horizon_steps=horizon,
-                            **extra)
+                            rule=DecisionRule.NOTHING_FITS, **extra)
         fastest = order[0][2]
         if current is None:
             return Decision(None, fastest, False, f"initial: {fastest.value} is fastest", secs, horizon_steps=horizon,
-                            **extra)
+                            rule=DecisionRule.INITIAL, **extra)
         cur_ok = current in feasible
         cur_eff = eff.get(current, math.inf)
         if cur_ok and fastest is current:
             cheaper = [l.value for l in feasible if eff[l] < cur_eff]  # at their prices, before doubt
             why = f"current is fastest after doubt about {', '.join(cheaper)}" if cheaper else "current is fastest"
-            return Decision(current, current, False, why, secs, horizon_steps=horizon, **extra)
+            return Decision(current, current, False, why, secs, horizon_steps=horizon, rule=DecisionRule.CURRENT_FASTEST,
+                            **extra)
         reasons, pays = [], 1.0  # pays: how many round-trip switch costs a switch's saving must cover
         if cur_ok and steps_in_layout < cfg.min_dwell_steps:
             dwell = f"dwell {steps_in_layout}/{cfg.min_dwell_steps} steps"
             if not (self.correction is not None and cfg.dwell_evidence_steps
                     and measured_steps >= cfg.dwell_evidence_steps):
-                return Decision(current, current, False, dwell, secs, horizon_steps=horizon, **extra)
+                return Decision(current, current, False, dwell, secs, horizon_steps=horizon, rule=DecisionRule.DWELL,
+                                **extra)
             pays = cfg.dwell_break_factor
             reasons.append(f"{dwell}, {measured_steps} measured: a switch must pay {pays:g}x its cost")
         for seconds, _, cand in order:
@@ -546,7 +574,8 @@ class LayoutPolicy:
                 continue
             if not cur_ok:
                 why = "; ".join(reasons + [f"{current.value} cannot hold the batch; forced to {cand.value}"])
-                return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
+                return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon,
+                                rule=DecisionRule.FORCED, **extra)
             lead = cur_eff - seconds
             if seconds > cur_eff * (1.0 - cfg.rel_margin):
                 unsure = f" after {doubt[cand]:.0%} doubt" if doubt[cand] else ""
@@ -563,9 +592,11 @@ class LayoutPolicy:
             if priced[cand][2] != priced[current][2]:
                 why += f" (admits {priced[cand][2]} queued vs {priced[current][2]})"
             why = "; ".join(reasons + [why])  # and why faster layouts were passed over
-            return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon, **extra)
+            return Decision(current, cand, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon,
+                            rule=DecisionRule.SWITCH, **extra)
         keep_reason = "; ".join(reasons) or "no better layout"  # a dwell that did not end leads them
-        return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon, **extra)
+        return Decision(current, current, False, keep_reason, secs, horizon_steps=horizon,
+                        rule=DecisionRule.DWELL if pays != 1.0 else DecisionRule.NO_GAIN, **extra)
 
     def relieve_pressure(self, current: Layout, batch: StepBatch, remaining_tokens, hold, short_pages,
                          victims) -> Decision:
@@ -622,6 +653,7 @@ class LayoutPolicy:
             price, best, sc = min(options, key=lambda o: (o[0], o[1].value))
             if price < retract_price:
                 why = "; ".join([head] + reasons + [f"switch to {best.value} instead"])
-                return Decision(current, best, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon)
+                return Decision(current, best, True, why, secs, sc.overlapped_s, sc.blocking_s, horizon,
+                                rule=DecisionRule.PRESSURE_SWITCH)
         why = "; ".join([head] + reasons + ["retract"])
-        return Decision(current, current, False, why, secs, horizon_steps=horizon)
+        return Decision(current, current, False, why, secs, horizon_steps=horizon, rule=DecisionRule.PRESSURE_RETRACT)

@@ -274,7 +274,8 @@ def _never_fits(work: Workload, dep: Deployment, layouts) -> str:
 
 def _log_switch(switches: list, d, now: float, step: int, src: Layout, batch: int, cause: str) -> None:
     switches.append({"t": now, "step": step, "src": src.value, "dst": d.chosen.value, "exposed_s": d.switch_cost_s,
-                     "blocking_s": d.blocking_cost_s, "batch": batch, "cause": cause, "reason": d.reason,
+                     "blocking_s": d.blocking_cost_s, "batch": batch, "cause": cause,
+                     "rule": None if d.rule is None else d.rule.value, "reason": d.reason,
                      "step_costs": {k: (None if math.isinf(v) else v) for k, v in d.step_costs.items()},
                      "admitted": dict(d.admitted), "horizon_steps": d.horizon_steps,
                      "seconds_per_token": {k: (None if math.isinf(v) else v) for k, v in d.seconds_per_token.items()}})

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from splash_rollout.layout import ALL_LAYOUTS, Layout, fits
-from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, choose_owner
+from splash_rollout.scheduling import Deployment, DecisionRule, LayoutPolicy, PolicyConfig, StepBatch, choose_owner
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +30,13 @@ def test_keeps_the_layout_when_the_horizon_is_too_short(dep):
     b = _batch(16, 60_000)  # decode: DP-attention leads TP by a few percent per step
     d = pol.decide(Layout.TP, b, remaining_tokens=np.full(16, 1), steps_in_layout=100)
     assert d.step_costs["dp"] < d.step_costs["tp"]
-    assert not d.switch and d.chosen is Layout.TP and "switch" in d.reason
+    assert not d.switch and d.chosen is Layout.TP and d.rule is DecisionRule.NO_GAIN, d.reason
 
 
 def test_initial_choice_is_the_fastest_feasible(dep):
     d = LayoutPolicy(dep).decide(None, _batch(16, 2048), np.full(16, 1024))
     finite = {k: v for k, v in d.step_costs.items() if np.isfinite(v)}
-    assert d.chosen.value == min(finite, key=finite.get) and not d.switch
+    assert d.chosen.value == min(finite, key=finite.get) and not d.switch and d.rule is DecisionRule.INITIAL
 
 
 def test_no_thrash_on_an_oscillating_load(dep):
@@ -57,7 +57,7 @@ def test_no_thrash_on_an_oscillating_load(dep):
 def test_dwell_blocks_a_switch_right_after_one(dep):
     pol = LayoutPolicy(dep, PolicyConfig(min_dwell_steps=50))
     d = pol.decide(Layout.TP, _batch(16, 60_000, q=256), np.full(16, 5000), steps_in_layout=3)
-    assert not d.switch and "dwell" in d.reason
+    assert not d.switch and d.rule is DecisionRule.DWELL, d.reason
 
 
 def test_never_switches_into_a_layout_that_cannot_hold_the_batch(dep):
@@ -81,7 +81,7 @@ def test_never_switches_into_a_layout_that_cannot_hold_the_batch(dep):
 def test_forced_out_of_a_layout_that_overflows(dep):
     batch = _batch(16, 100_000)  # 1.6M tokens: TP's replicated pool cannot hold it
     d = LayoutPolicy(dep).decide(Layout.TP, batch, np.full(16, 100), steps_in_layout=0)
-    assert d.switch and d.chosen is not Layout.TP and "cannot hold" in d.reason
+    assert d.switch and d.chosen is not Layout.TP and d.rule is DecisionRule.FORCED, d.reason
 
 
 def test_staying_is_judged_on_real_kv_entering_on_the_expected_totals(dep):
@@ -90,7 +90,7 @@ def test_staying_is_judged_on_real_kv_entering_on_the_expected_totals(dep):
     reserved = np.full(8, pool + 1)  # each is expected to outgrow its owner's pool
     pol = LayoutPolicy(dep, PolicyConfig(min_dwell_steps=0))
     stay = pol.decide(Layout.DP, batch, np.full(8, 100), steps_in_layout=1000, reserved=reserved)
-    assert np.isfinite(stay.step_costs["dp"]) and "cannot hold" not in stay.reason
+    assert np.isfinite(stay.step_costs["dp"]) and stay.rule is not DecisionRule.FORCED, stay.reason
     assert stay.chosen is Layout.DP or stay.step_costs[stay.chosen.value] < stay.step_costs["dp"]
     # from elsewhere DP-attention is not entered on the same batch: its estimate does not fit
     other = pol.decide(Layout.TP, batch, np.full(8, 100), steps_in_layout=1000, reserved=reserved)
@@ -137,7 +137,7 @@ def test_capacity_that_changes_admission_leads_then_yields_as_the_batch_drains()
     tail = StepBatch.make([200, 180], [1, 1], [0, 1])
     d = pol.decide(Layout.DOP, tail, np.full(2, 150), steps_in_layout=100, reserved=[210, 190],
                    waiting=Waiting.make([], [], 512, 64))
-    assert d.switch and d.chosen is Layout.DP, d.reason
+    assert d.switch and d.chosen is Layout.DP and d.rule is DecisionRule.SWITCH, d.reason
     # while the queue lasts, DOP is kept
     running = StepBatch.make([40] * 8, [1] * 8, np.arange(8) % 2)
     d = pol.decide(Layout.DOP, running, np.full(8, 80), steps_in_layout=100, reserved=[128] * 8,
@@ -169,7 +169,7 @@ def test_a_switch_names_the_faster_layouts_it_passed_over(dep):
                                                                    reserved=np.full(b, per))
     assert d.step_costs["dp"] < d.step_costs["dop"] and fits(Layout.DP, np.full(b, per), dep.pools[Layout.DP], 8, owners)
     assert d.switch and d.chosen is Layout.DOP
-    assert d.reason.startswith("dp: no headroom") and "forced to dop" in d.reason, d.reason
+    assert d.rule is DecisionRule.FORCED and d.reason.startswith("dp: no headroom"), d.reason  # says why not DP
 
 
 def test_memory_pressure_is_priced_switch_against_retraction():
@@ -182,15 +182,16 @@ def test_memory_pressure_is_priced_switch_against_retraction():
     # retracting half the batch halves the work per step and prefills four histories again: switch
     d = pol.relieve_pressure(Layout.DP, batch, np.full(8, 60), hold, [3, 2], [7, 6, 5, 4])
     assert d.switch and fits(d.chosen, hold, pools[d.chosen], 2, owners), d.reason
-    assert d.reason.startswith("memory pressure in dp (pages short: rank 0 3, rank 1 2)") and "instead" in d.reason
+    assert d.rule is DecisionRule.PRESSURE_SWITCH
+    assert d.reason.startswith("memory pressure in dp (pages short: rank 0 3, rank 1 2)")  # the shortfall, for people
     # one step left and the youngest holds 2 tokens: retracting it costs less than a slower layout's step
     young = StepBatch.make([h - 8] * 7 + [2], [1] * 8, np.arange(8) % 2)
     d = pol.relieve_pressure(Layout.DP, young, np.full(8, 1), hold, [1, 0], [7])
-    assert not d.switch and d.chosen is Layout.DP and d.reason.endswith("retract"), d.reason
+    assert not d.switch and d.chosen is Layout.DP and d.rule is DecisionRule.PRESSURE_RETRACT, d.reason
     # nothing else holds the batch either: retract
     big = np.full(8, 10 * h)
     d = pol.relieve_pressure(Layout.DP, batch, np.full(8, 60), big, [3, 2], [7, 6, 5, 4])
-    assert not d.switch and "does not hold the batch" in d.reason
+    assert not d.switch and d.rule is DecisionRule.PRESSURE_RETRACT and "does not hold the batch" in d.reason
 
 
 def _admit_one_by_one(layout, batch, hold, waiting, pool, t, page):
