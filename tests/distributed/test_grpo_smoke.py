@@ -12,7 +12,7 @@ REQUIRED = ("step", "reward/mean", "rollout/response_len/mean", "perf/tokens_per
             "train/loss", "train/clip_frac", "train/grad_norm", "timing_s/rollout")
 TINY = ["+recipe=grpo_glm5", "sft.steps=2", "sft.batch_size=8", "sft.warmup_steps=1", "grpo.steps=2",
         "grpo.prompts_per_step=4", "grpo.n=4", "grpo.max_new_tokens=16", "trainer.micro_batch_size=8",
-        "logger.kind=none", "hardware.threads=1"]
+        "logger.kind=none", "hardware.threads=1", "eval.every=0"]
 
 
 @pytest.mark.slow
