@@ -58,6 +58,8 @@ QUICK = dict(sft_steps=20, steps=3, prompts=4, oversample=6, n=4, max_new_tokens
 
 def common(p: dict, threads: int) -> list[str]:
     return ["+recipe=grpo_glm5", "logger.kind=none", "engine.world_size=1", f"hardware.threads={threads}",
+            # the settings its recorded results ran with: the 64-prompt pool, a constant lr
+            "data.grpo_pool_size=64", "grpo.lr_schedule=constant", "grpo.min_lr_ratio=0.0", "grpo.summary_window=8",
             f"data.task.max_steps={p['max_chain']}", f"grpo.max_new_tokens={p['max_new_tokens']}",
             f"grpo.prompts_per_step={p['prompts']}", f"grpo.n={p['n']}", f"data.eval_size={p['eval_size']}",
             f"eval.max_new_tokens={p['max_new_tokens']}", f"engine.memory_budget_gib={p['memory_budget_gib']}",
