@@ -180,25 +180,24 @@ class ForwardBatch:
         """The sub-batch of the requests ``rank`` owns (rows re-based) and their rows here: [n] int64.
 
         Cached on the batch, so every layer of a step shares one sub-batch (and its DSA scratch)."""
-        return self.subset([b for b, o in enumerate(self.owners) if o == rank], ("owned_by", rank), owner=rank)
+        return self.subset([b for b, o in enumerate(self.owners) if o == rank])
 
-    def subset(self, seqs: Sequence[int], key: Any, owner: int | None = None) -> tuple["ForwardBatch", torch.Tensor]:
+    def subset(self, seqs: Sequence[int]) -> tuple["ForwardBatch", torch.Tensor]:
         """The sub-batch of requests ``seqs`` (ascending indices into B; rows re-based, no sampled rows)
-        and their rows in this batch: [n] int64. Cached on the batch under ``key`` so every layer of a
-        step shares one sub-batch; ``owner`` replaces the requests' owners when given."""
+        and their rows in this batch: [n] int64. Cached on the batch, so every layer of a step shares
+        one sub-batch."""
+        key = ("subset", tuple(seqs))
         if key not in self.scratch:
-            seqs = list(seqs)
-            seq_idx = torch.tensor(seqs, dtype=torch.int64, device=self.device)
+            seq_idx = torch.tensor(key[1], dtype=torch.int64, device=self.device)
             chosen = torch.zeros(self.num_seqs, dtype=torch.bool, device=self.device)
             chosen[seq_idx] = True
             rows = torch.nonzero(chosen.index_select(0, self.row_seq)).flatten()
             new_seq = torch.full((self.num_seqs,), -1, dtype=torch.int64, device=self.device)
-            new_seq[seq_idx] = torch.arange(len(seqs), device=self.device)
-            owners = [self.owners[b] if owner is None else owner for b in seqs]
+            new_seq[seq_idx] = torch.arange(len(key[1]), device=self.device)
             sub = ForwardBatch(self.input_ids[rows], self.positions[rows], self.out_slots[rows],
                                self.block_table[seq_idx], self.seq_lens[seq_idx], new_seq[self.row_seq[rows]],
                                torch.empty(0, dtype=torch.int64, device=self.device),
-                               [self.num_new[b] for b in seqs], owners, self.page_size)
+                               [self.num_new[b] for b in key[1]], [self.owners[b] for b in key[1]], self.page_size)
             self.scratch[key] = (sub, rows)
         return self.scratch[key]
 

@@ -55,13 +55,24 @@ def plan_forms(attn, batch: ForwardBatch, enabled: bool) -> FormPlan:
     return batch.scratch["prefill_forms"]
 
 
-def _groups(batch: ForwardBatch, seqs: list[int]) -> dict[tuple[int, int], list[int]]:
-    """Requests with the same (new rows, history length): one attention call each group."""
-    lens = batch.seq_lens.tolist()
-    groups: dict[tuple[int, int], list[int]] = {}
-    for b in seqs:
-        groups.setdefault((batch.num_new[b], lens[b]), []).append(b)
-    return groups
+def _groups(batch: ForwardBatch, seqs: list[int]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Requests with the same (new rows Q, history length S), one attention call each:
+    (Q, S, rows [g*Q] int64 of the batch, history slots [g*S] int64). The same for every layer of
+    the step, so cached on the batch."""
+    if "expanded_groups" not in batch.scratch:
+        lens, starts = batch.seq_lens.tolist(), batch.query_start
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for b in seqs:
+            by_shape.setdefault((batch.num_new[b], lens[b]), []).append(b)
+        slots_all, _ = batch.key_slots()
+        groups = []
+        for (q_len, s_len), group in by_shape.items():
+            idx = torch.tensor(group, dtype=torch.int64, device=batch.device)
+            first = torch.tensor([starts[b] for b in group], dtype=torch.int64, device=batch.device)
+            rows = (first[:, None] + torch.arange(q_len, device=batch.device)[None, :]).flatten()
+            groups.append((q_len, s_len, rows, slots_all[idx, :s_len].flatten()))
+        batch.scratch["expanded_groups"] = groups
+    return batch.scratch["expanded_groups"]
 
 
 def expanded_attention(attn, kv_b: torch.Tensor, pool: KVPool, q_nope: torch.Tensor, q_pe: torch.Tensor,
@@ -75,15 +86,10 @@ def expanded_attention(attn, kv_b: torch.Tensor, pool: KVPool, q_nope: torch.Ten
     h, nope, rope, v = q_nope.shape[1], attn.nope_dim, attn.rope_dim, attn.v_dim
     qk = nope + rope
     width = max(qk, v)
-    slots_all, _ = batch.key_slots()
-    starts = batch.query_start
     all_rows, all_values = [], []
-    for (q_len, s_len), group in _groups(batch, seqs).items():
-        g = len(group)
-        idx = torch.tensor(group, dtype=torch.int64, device=q_nope.device)
-        first = torch.tensor([starts[b] for b in group], dtype=torch.int64, device=q_nope.device)
-        rows = (first[:, None] + torch.arange(q_len, device=q_nope.device)[None, :]).flatten()  # [g*Q]
-        c_kv, k_pe = pool.read_kv(attn.layer_idx, slots_all[idx, :s_len].flatten())  # [g*S, r], [g*S, rope]
+    for q_len, s_len, rows, slots in _groups(batch, seqs):
+        g = rows.numel() // q_len
+        c_kv, k_pe = pool.read_kv(attn.layer_idx, slots)  # [g*S, r], [g*S, rope]
         kv = linear(c_kv.to(q_nope.dtype), kv_b).view(g, s_len, h, nope + v)
         k = torch.cat([kv[..., :nope], k_pe.to(q_nope.dtype).view(g, s_len, 1, rope).expand(g, s_len, h, rope)], -1)
         q = torch.cat([q_nope[rows], q_pe[rows]], -1).view(g, q_len, h, qk)

@@ -84,7 +84,7 @@ def attend_local(attn, shard: ProjectionShard, pool: KVPool, backend: AttentionB
         return shard.output(attn, out_latent)
     values = q_nope.new_empty((batch.num_tokens, shard.num_heads, attn.v_dim))  # [N, h, v]
     if plan.absorbed:
-        sub, rows = batch.subset(plan.absorbed, "absorbed_rows")
+        sub, rows = batch.subset(plan.absorbed)
         sub_selected = None if selected is None else selected[rows, : sub.max_seq_len]
         out_latent, _ = backend.forward(layer, shard.absorb(attn, q_nope[rows]), q_pe[rows], pool, sub,
                                         sub_selected, attn.softmax_scale)
