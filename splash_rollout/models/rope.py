@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.native.fused_rows import rope
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -114,7 +115,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x [N, d] or [N, H, d]; cos/sin [N, d/2]. Returns the rotated x, same shape, layout [a | b]."""
+    """x [N, d] or [N, H, d]; cos/sin [N, d/2]. Returns the rotated x, same shape, layout [a | b].
+    On the CPU without autograd one native pass computes it, bit for bit the same."""
+    fused = rope(x, cos, sin, interleaved)
+    if fused is not None:
+        return fused
     if x.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]
     if interleaved:

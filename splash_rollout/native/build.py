@@ -93,6 +93,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                                         ptr, i64, i64]
     lib.splash_routed_experts.restype = ctypes.c_int
     lib.splash_routed_experts.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr]
+    lib.splash_rms_norm.restype = ctypes.c_int
+    lib.splash_rms_norm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_double, ptr]
+    lib.splash_rope.restype = ctypes.c_int
+    lib.splash_rope.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr]
 
 
 def load_native() -> ctypes.CDLL:
