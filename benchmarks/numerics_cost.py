@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.grpo.data import ChainTaskConfig, make_dataset  # noqa: E402
-from recipes.grpo.loss import token_logprobs  # noqa: E402
-from recipes.grpo.trainer import collate  # noqa: E402
+from splash_rollout.recipes.grpo.data import ChainTaskConfig, make_dataset  # noqa: E402
+from splash_rollout.recipes.grpo.loss import token_logprobs  # noqa: E402
+from splash_rollout.recipes.grpo.trainer import collate  # noqa: E402
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from splash_rollout.models.config import resolve_model  # noqa: E402
 from splash_rollout.models.model import MLAForCausalLM  # noqa: E402

@@ -27,10 +27,10 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.grpo.build import build_engine_with_weights, max_prompt_len, model_source  # noqa: E402
-from recipes.grpo.evaluation import mcnemar_exact_p  # noqa: E402
-from recipes.grpo.reward_fns import RewardFunction  # noqa: E402
-from recipes.grpo.task_data import build_task_data  # noqa: E402
+from splash_rollout.recipes.grpo.build import build_engine_with_weights, max_prompt_len, model_source  # noqa: E402
+from splash_rollout.recipes.grpo.evaluation import mcnemar_exact_p  # noqa: E402
+from splash_rollout.recipes.grpo.reward_fns import RewardFunction  # noqa: E402
+from splash_rollout.recipes.grpo.task_data import build_task_data  # noqa: E402
 from splash_rollout.models.tokenizer import load_tokenizer  # noqa: E402
 from splash_rollout.rollout.types import SamplingParams  # noqa: E402
 

@@ -9,19 +9,13 @@ directory given by ``resume=<run dir>``, which the resumed run continues to writ
 from __future__ import annotations
 
 import os
-import sys
 
 import hydra
 import torch
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-# recipes/ sits next to the package (repo root); make it importable however we were started
-_ROOT = os.path.dirname(CONF_DIR)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -35,7 +29,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 def run_recipe(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
     if "grpo" not in cfg:
         raise ValueError("no recipe selected: add +recipe=grpo_glm5")
-    from recipes.grpo.loop import train
+    from splash_rollout.recipes.grpo.loop import train
 
     return train(cfg, run_dir, rank=rank, world_size=world_size)
 
@@ -63,7 +57,7 @@ def launch(cfg: DictConfig, run_dir: str):
     return None
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
+@hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from recipes.grpo.data import ChainTaskConfig, make_dataset
-from recipes.grpo.metrics import is_wall_clock
+from splash_rollout.recipes.grpo.data import ChainTaskConfig, make_dataset
+from splash_rollout.recipes.grpo.metrics import is_wall_clock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REWARD = textwrap.dedent('''

@@ -50,8 +50,8 @@ def test_two_grpo_steps_on_two_ranks_across_a_scheduler_switch(tmp_path):
 
 @pytest.mark.slow
 def test_engine_logprobs_equal_trainer_logprobs_after_push(tmp_path):
-    from recipes.grpo.loop import build_engine, build_policy
-    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.recipes.grpo.loop import build_engine, build_policy
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
     from splash_rollout.rollout.types import SamplingParams
     from splash_rollout.run import compose_config
 
@@ -88,7 +88,7 @@ def _global_token_mean_loss(normalizer):
 def _zero2_rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
     from splash_rollout.models.config import PRESETS
     from splash_rollout.models.model import MLAForCausalLM
 
@@ -106,7 +106,7 @@ def test_zero2_on_two_ranks_matches_one_rank(tmp_path):
     (checks the gradient bucket order with MoE ranks using different experts, and the normalizer)."""
     import torch.multiprocessing as mp
 
-    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
     from splash_rollout.distributed.launch import free_port
     from splash_rollout.models.config import PRESETS
     from splash_rollout.models.model import MLAForCausalLM
@@ -149,8 +149,8 @@ UNEVEN = ([[5, 6, 7], [40, 41], [13, 14, 15], [50, 51]],
 def _zero2_uneven_rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from recipes.grpo.micro_batches import plan_rank_micro_batches
-    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.recipes.grpo.micro_batches import plan_rank_micro_batches
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
     from splash_rollout.models.config import PRESETS
     from splash_rollout.models.model import MLAForCausalLM
 
@@ -171,7 +171,7 @@ def test_zero2_ranks_run_as_many_micro_batches_under_a_token_budget(tmp_path):
     it to match the other's two; the step is then the one-rank step of the whole batch."""
     import torch.multiprocessing as mp
 
-    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
     from splash_rollout.distributed.launch import free_port
     from splash_rollout.models.config import PRESETS
     from splash_rollout.models.model import MLAForCausalLM

@@ -5,8 +5,8 @@ almost every token, a rare value that lands within float64 noise of a float32 ro
 or two ulps apart (measured: 0-4 of 2816 tokens per layout, at most 4.8e-7)."""
 import torch
 
-from recipes.grpo.loss import token_logprobs
-from recipes.grpo.trainer import collate
+from splash_rollout.recipes.grpo.loss import token_logprobs
+from splash_rollout.recipes.grpo.trainer import collate
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.numerics import numerics
 from tests.unit.test_numerics import sharp_model

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from recipes.grpo.dynamic_sampling import GroupScorer, OversampleConfig, passes
+from splash_rollout.recipes.grpo.dynamic_sampling import GroupScorer, OversampleConfig, passes
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup
 
 
@@ -37,7 +37,7 @@ class _Ex:
 def test_scorer_keeps_scores_of_kept_groups_in_their_order():
     from omegaconf import OmegaConf
 
-    from recipes.grpo.reward_fns import RewardFunction
+    from splash_rollout.recipes.grpo.reward_fns import RewardFunction
 
     fn = RewardFunction(OmegaConf.create({"fn": "tests.unit.test_dynamic_sampling:parity_reward"}))
     scorer = GroupScorer(fn, [_Ex(), _Ex(), _Ex()], _Tok(), "std")

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from recipes.grpo.loss import GRPOLossConfig, group_advantages, grpo_loss, token_logprobs
-from recipes.grpo.trainer import collate
+from splash_rollout.recipes.grpo.loss import GRPOLossConfig, group_advantages, grpo_loss, token_logprobs
+from splash_rollout.recipes.grpo.trainer import collate
 
 
 def test_group_advantages_hand_computed():

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from recipes.grpo.evaluation import pass_at_k
-from recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, \
+from splash_rollout.recipes.grpo.evaluation import pass_at_k
+from splash_rollout.recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, \
     token_logprobs_and_entropy
-from recipes.grpo.schedule import LRSchedule
-from recipes.grpo.update import UpdateConfig, _response_mask, shape_rewards
+from splash_rollout.recipes.grpo.schedule import LRSchedule
+from splash_rollout.recipes.grpo.update import UpdateConfig, _response_mask, shape_rewards
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup
 
 # two samples: 3 and 1 response tokens; on-policy (ratio 1) so the per-token loss is -A
@@ -97,7 +97,7 @@ def test_pass_at_k():
 
 
 def test_separate_reference_checkpoint(tmp_path):
-    from recipes.grpo.build import load_reference
+    from splash_rollout.recipes.grpo.build import load_reference
     from splash_rollout.models.config import PRESETS
     from splash_rollout.models.model import MLAForCausalLM
 

@@ -4,8 +4,8 @@ is that of the untruncated distribution, which is what the trainer's forward com
 on a lightly trained model; test_numerics.py checks reproducible numerics to exactness."""
 import torch
 
-from recipes.grpo.loss import token_logprobs
-from recipes.grpo.trainer import collate
+from splash_rollout.recipes.grpo.loss import token_logprobs
+from splash_rollout.recipes.grpo.trainer import collate
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from tests.unit.test_numerics import sharp_model
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipes.grpo.micro_batches import padded_tokens, plan_micro_batches, plan_rank_micro_batches
+from splash_rollout.recipes.grpo.micro_batches import padded_tokens, plan_micro_batches, plan_rank_micro_batches
 
 
 @settings(max_examples=200, deadline=None)
@@ -66,7 +66,7 @@ def test_plan_rejects_bad_limits():
 
 
 def test_trainer_config_names_the_field():
-    from recipes.grpo.trainer import TrainerConfig
+    from splash_rollout.recipes.grpo.trainer import TrainerConfig
 
     with pytest.raises(ValueError, match="trainer.micro_batch_tokens: expected an integer >= 1 or null"):
         TrainerConfig(micro_batch_tokens=0)
@@ -77,9 +77,9 @@ def test_grpo_update_is_the_same_step_however_it_is_split():
     and the gradient (its norm) as they are with one micro-batch."""
     import torch.distributed as dist
 
-    from recipes.grpo.loss import GRPOLossConfig
-    from recipes.grpo.trainer import Trainer, TrainerConfig
-    from recipes.grpo.update import UpdateConfig, grpo_update
+    from splash_rollout.recipes.grpo.loss import GRPOLossConfig
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig
+    from splash_rollout.recipes.grpo.update import UpdateConfig, grpo_update
     from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
     from splash_rollout.models.config import PRESETS
     from splash_rollout.models.model import MLAForCausalLM

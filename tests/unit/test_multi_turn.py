@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.grpo.loss import GRPOLossConfig, grpo_loss
-from recipes.grpo.multi_turn import MultiTurnEngine, merge_timelines, multi_turn_generate
-from recipes.grpo.trainer import collate
-from recipes.grpo.update import UpdateConfig, _response_mask, grpo_update
+from splash_rollout.recipes.grpo.loss import GRPOLossConfig, grpo_loss
+from splash_rollout.recipes.grpo.multi_turn import MultiTurnEngine, merge_timelines, multi_turn_generate
+from splash_rollout.recipes.grpo.trainer import collate
+from splash_rollout.recipes.grpo.update import UpdateConfig, _response_mask, grpo_update
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
@@ -148,7 +148,7 @@ def test_grpo_update_ignores_what_the_environment_tokens_hold(rolled):
     the replies as if sampled does change the weights (the test can fail)."""
     import copy
 
-    from recipes.grpo.trainer import Trainer, TrainerConfig
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig
 
     batch = rolled[0]
     assert any(0 in s.loss_mask for s in batch.samples)
@@ -210,10 +210,10 @@ def test_a_policy_taught_to_call_gets_the_calculators_replies():
     the evaluator's reply to exactly that call (masked), and its answer turn."""
     import re
 
-    from recipes.grpo.task_data import Example
-    from recipes.grpo.tool_demos import sft_target
-    from recipes.grpo.tool_env import CalculatorEnv, ToolConfig
-    from recipes.grpo.trainer import Trainer, TrainerConfig
+    from splash_rollout.recipes.grpo.task_data import Example
+    from splash_rollout.recipes.grpo.tool_demos import sft_target
+    from splash_rollout.recipes.grpo.tool_env import CalculatorEnv, ToolConfig
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig
     from splash_rollout.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer("glm5-nano")

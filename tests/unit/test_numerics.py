@@ -5,8 +5,8 @@ would catch."""
 import pytest
 import torch
 
-from recipes.grpo.loss import token_logprobs
-from recipes.grpo.trainer import collate
+from splash_rollout.recipes.grpo.loss import token_logprobs
+from splash_rollout.recipes.grpo.trainer import collate
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM

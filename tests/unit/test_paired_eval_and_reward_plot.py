@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from recipes.grpo.evaluation import paired_comparison, wilson_interval
-from recipes.grpo.loop import paired_eval
-from recipes.grpo.plots import moving_average, plot_reward
+from splash_rollout.recipes.grpo.evaluation import paired_comparison, wilson_interval
+from splash_rollout.recipes.grpo.loop import paired_eval
+from splash_rollout.recipes.grpo.plots import moving_average, plot_reward
 
 PAIRED_KEYS = {"accuracy_before", "accuracy_after", "gained", "lost", "p_value", "prompts"}
 

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from recipes.grpo.checkpoint import CheckpointMismatchError
-from recipes.grpo.metrics import is_wall_clock
+from splash_rollout.recipes.grpo.checkpoint import CheckpointMismatchError
+from splash_rollout.recipes.grpo.metrics import is_wall_clock
 
 # 6 prompts x 4 samples, at most 8 running at once, and a 2-step SFT that makes some responses stop
 # early: the first groups finish while later ones are mid-response or not started, so the target of
@@ -94,7 +94,7 @@ def test_carried_groups_are_finished_next_step_and_every_group_is_counted(tmp_pa
 def test_partial_rollout_needs_over_sampling_and_a_valid_bound():
     from omegaconf import OmegaConf
 
-    from recipes.grpo.build import partial_rollout_config
+    from splash_rollout.recipes.grpo.build import partial_rollout_config
 
     cfg = lambda **g: OmegaConf.create({"grpo": {"oversample_groups": 6, "partial_rollout": True, **g}})  # noqa: E731
     assert partial_rollout_config(cfg()).max_off_policy_steps == 1

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from recipes.grpo.checkpoint import CheckpointMismatchError, RunState, STATE, step_dir
-from recipes.grpo.reward_fns import RewardError, RewardFnError
-from recipes.grpo.rows import DataRowError, EmptySplitError
+from splash_rollout.recipes.grpo.checkpoint import CheckpointMismatchError, RunState, STATE, step_dir
+from splash_rollout.recipes.grpo.reward_fns import RewardError, RewardFnError
+from splash_rollout.recipes.grpo.rows import DataRowError, EmptySplitError
 from splash_rollout.run import compose_config
 
 pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
@@ -28,7 +28,7 @@ def task(tmp_path, monkeypatch):
 
 
 def run(tmp_path, *overrides):
-    from recipes.grpo.loop import train
+    from splash_rollout.recipes.grpo.loop import train
 
     cfg = compose_config(["+recipe=grpo_glm5_file", f"data.path={tmp_path / 'train.jsonl'}", "data.label_key=meta.answer",
                           "logger=none", "engine.world_size=1", "sft.steps=1", *overrides])
@@ -75,7 +75,7 @@ def test_checkpoint_from_another_model(task):
     assert info.type is CheckpointMismatchError
     assert "holds model 'glm-5'" in str(info.value) and "this run builds 'glm5-nano'" in str(info.value)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-        from recipes.grpo.checkpoint import latest_checkpoint
+        from splash_rollout.recipes.grpo.checkpoint import latest_checkpoint
         latest_checkpoint(str(task))
 
 

@@ -1,8 +1,8 @@
 """The arithmetic-chain verifier and task generator."""
 import collections
 
-from recipes.grpo.data import ChainTaskConfig, make_dataset, sample_chain
-from recipes.grpo.reward import parse_answer, score
+from splash_rollout.recipes.grpo.data import ChainTaskConfig, make_dataset, sample_chain
+from splash_rollout.recipes.grpo.reward import parse_answer, score
 
 
 def test_parse_answer():
@@ -44,7 +44,7 @@ def test_deterministic():
 
 
 def test_chain_score_hand_computed():
-    from recipes.grpo.reward import chain_score
+    from splash_rollout.recipes.grpo.reward import chain_score
 
     ref = "3+4=7,7-2=5,5+1=6#6"
     assert chain_score(ref, 6, ref) == 1.0

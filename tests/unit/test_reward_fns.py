@@ -8,9 +8,9 @@ import textwrap
 import pytest
 from omegaconf import OmegaConf
 
-from recipes.grpo.reward_fns import RewardError, RewardFnError, RewardFunction
-from recipes.grpo.task_data import Example
-from recipes.grpo.verifiers import exact_match, last_boxed, math_answer, normalize_answer
+from splash_rollout.recipes.grpo.reward_fns import RewardError, RewardFnError, RewardFunction
+from splash_rollout.recipes.grpo.task_data import Example
+from splash_rollout.recipes.grpo.verifiers import exact_match, last_boxed, math_answer, normalize_answer
 
 
 def reward(fn, **kw):

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from recipes.grpo.loss import GRPOLossConfig, grpo_loss
-from recipes.grpo.rollout_correction import RolloutCorrectionConfig, correction_weights
+from splash_rollout.recipes.grpo.loss import GRPOLossConfig, grpo_loss
+from splash_rollout.recipes.grpo.rollout_correction import RolloutCorrectionConfig, correction_weights
 
 # two samples; the trainer's old logprobs are 0 and equal the current ones (PPO ratio 1), so the
 # per-token loss is -A * w and its gradient -A * w / 5 (5 masked tokens)
@@ -94,8 +94,8 @@ def test_update_masks_on_trainer_logprobs(no_leftover_process_group, one_torch_t
     """The importance ratio is the trainer's logprob before the step over the rollout's: rollout
     logprobs 1 nat below the trainer's give ratio e on every token, a mask [0.5, 2] drops all of
     them, so the step has zero gradient and AdamW leaves the weights where they were."""
-    from recipes.grpo.trainer import Trainer, TrainerConfig, collate
-    from recipes.grpo.update import UpdateConfig, grpo_update
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
+    from splash_rollout.recipes.grpo.update import UpdateConfig, grpo_update
     from splash_rollout.models.config import PRESETS
     from splash_rollout.models.model import MLAForCausalLM
     from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup
@@ -119,7 +119,7 @@ def test_update_masks_on_trainer_logprobs(no_leftover_process_group, one_torch_t
 
 
 def test_recipe_options_reach_the_loss():
-    from recipes.grpo.build import loss_config
+    from splash_rollout.recipes.grpo.build import loss_config
     from splash_rollout.run import compose_config
 
     assert not loss_config(compose_config(["+recipe=grpo_glm5"])).rollout_corr.enabled

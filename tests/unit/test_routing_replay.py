@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.grpo.loss import token_logprobs
-from recipes.grpo.routing_replay import replay_layers, replay_table
-from recipes.grpo.trainer import collate
+from splash_rollout.recipes.grpo.loss import token_logprobs
+from splash_rollout.recipes.grpo.routing_replay import replay_layers, replay_table
+from splash_rollout.recipes.grpo.trainer import collate
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
@@ -95,9 +95,9 @@ def test_replay_reproduces_engine_logprobs_after_a_routing_flip(rollout):
 def test_grpo_update_replays_in_the_trainer(rollout):
     import torch.distributed as dist
 
-    from recipes.grpo.loss import GRPOLossConfig
-    from recipes.grpo.trainer import Trainer, TrainerConfig
-    from recipes.grpo.update import UpdateConfig, grpo_update
+    from splash_rollout.recipes.grpo.loss import GRPOLossConfig
+    from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig
+    from splash_rollout.recipes.grpo.update import UpdateConfig, grpo_update
     from splash_rollout.rollout.types import RolloutBatch, SampleGroup
 
     samples, plain = rollout

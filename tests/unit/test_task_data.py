@@ -8,8 +8,8 @@ import datasets
 import pytest
 from omegaconf import OmegaConf
 
-from recipes.grpo.rows import DataRowError, EmptySplitError, get_path, read_rows, split_rows
-from recipes.grpo.task_data import PromptOrder, build_task_data, render_prompt
+from splash_rollout.recipes.grpo.rows import DataRowError, EmptySplitError, get_path, read_rows, split_rows
+from splash_rollout.recipes.grpo.task_data import PromptOrder, build_task_data, render_prompt
 from splash_rollout.models.tokenizer import ChatTemplateError, NANO_CHAT_TEMPLATE, load_tokenizer
 
 TOK = load_tokenizer("glm5-nano")

@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from recipes.grpo.task_data import Example
-from recipes.grpo.tool_demos import demo_segments, is_demo, sft_target
-from recipes.grpo.tool_env import CalcError, CalculatorEnv, ToolConfig, evaluate
+from splash_rollout.recipes.grpo.task_data import Example
+from splash_rollout.recipes.grpo.tool_demos import demo_segments, is_demo, sft_target
+from splash_rollout.recipes.grpo.tool_env import CalcError, CalculatorEnv, ToolConfig, evaluate
 from splash_rollout.models.tokenizer import load_tokenizer
 
 

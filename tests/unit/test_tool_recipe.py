@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from recipes.grpo.build import tool_env
+from splash_rollout.recipes.grpo.build import tool_env
 from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.run import compose_config
 

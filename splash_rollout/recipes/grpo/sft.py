@@ -11,9 +11,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from recipes.grpo.micro_batches import plan_rank_micro_batches
-from recipes.grpo.task_data import Example
-from recipes.grpo.trainer import Trainer, TrainBatch, collate
+from splash_rollout.recipes.grpo.micro_batches import plan_rank_micro_batches
+from splash_rollout.recipes.grpo.task_data import Example
+from splash_rollout.recipes.grpo.trainer import Trainer, TrainBatch, collate
 
 
 @dataclass(frozen=True)

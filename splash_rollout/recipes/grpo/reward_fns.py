@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig
 
-from recipes.grpo.reward import chain_score, parse_answer, score
-from recipes.grpo.task_data import Example
-from recipes.grpo.verifiers import exact_match, math_answer, reasoning_gym_score
+from splash_rollout.recipes.grpo.reward import chain_score, parse_answer, score
+from splash_rollout.recipes.grpo.task_data import Example
+from splash_rollout.recipes.grpo.verifiers import exact_match, math_answer, reasoning_gym_score
 
 BUILTINS = ("chain", "answer", "exact_match", "math", "reasoning_gym")
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, token_logprobs
-from recipes.grpo.micro_batches import plan_micro_batches, plan_rank_micro_batches
-from recipes.grpo.routing_replay import replay_table
-from recipes.grpo.trainer import Trainer, collate
+from splash_rollout.recipes.grpo.loss import GRPOLossConfig, grpo_loss, kl_per_token, sample_weight, step_normalizer, token_logprobs
+from splash_rollout.recipes.grpo.micro_batches import plan_micro_batches, plan_rank_micro_batches
+from splash_rollout.recipes.grpo.routing_replay import replay_table
+from splash_rollout.recipes.grpo.trainer import Trainer, collate
 from splash_rollout.rollout.types import RolloutBatch, Sample
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 import re
 
-from recipes.grpo.task_data import Example
-from recipes.grpo.tool_env import CLOSE, OPEN, CalculatorEnv, evaluate, render_value
+from splash_rollout.recipes.grpo.task_data import Example
+from splash_rollout.recipes.grpo.tool_env import CLOSE, OPEN, CalculatorEnv, evaluate, render_value
 
 _CHAIN = re.compile(r"^(\d+)((?:[+\-]\d+)+)=\?$")
 _OP = re.compile(r"[+\-]\d+")

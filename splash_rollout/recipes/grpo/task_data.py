@@ -23,8 +23,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.grpo.data import ChainTaskConfig, make_dataset
-from recipes.grpo.rows import DataRowError, EmptySplitError, check_rows, get_path, read_rows, split_rows
+from splash_rollout.recipes.grpo.data import ChainTaskConfig, make_dataset
+from splash_rollout.recipes.grpo.rows import DataRowError, EmptySplitError, check_rows, get_path, read_rows, split_rows
 
 CHAT_MODES = ("auto", "always", "never")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipes.grpo.rollout_correction import RolloutCorrectionConfig, correction_weights
+from splash_rollout.recipes.grpo.rollout_correction import RolloutCorrectionConfig, correction_weights
 from splash_rollout.models.numerics import acc_dtype
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipes.grpo.reward_fns import RewardFunction, Rewards
+from splash_rollout.recipes.grpo.reward_fns import RewardFunction, Rewards
 from splash_rollout.rollout.types import RolloutBatch, SampleGroup
 
 FILTERS = ("std", "none")

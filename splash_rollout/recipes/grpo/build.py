@@ -9,15 +9,15 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.grpo.dynamic_sampling import OversampleConfig
-from recipes.grpo.evaluation import EvalConfig
-from recipes.grpo.loss import GRPOLossConfig
-from recipes.grpo.partial_rollout import PartialRolloutConfig
-from recipes.grpo.rollout_correction import RolloutCorrectionConfig
-from recipes.grpo.schedule import LRSchedule
-from recipes.grpo.sft import SFTConfig
-from recipes.grpo.tool_env import CalculatorEnv, ToolConfig
-from recipes.grpo.trainer import TrainerConfig
+from splash_rollout.recipes.grpo.dynamic_sampling import OversampleConfig
+from splash_rollout.recipes.grpo.evaluation import EvalConfig
+from splash_rollout.recipes.grpo.loss import GRPOLossConfig
+from splash_rollout.recipes.grpo.partial_rollout import PartialRolloutConfig
+from splash_rollout.recipes.grpo.rollout_correction import RolloutCorrectionConfig
+from splash_rollout.recipes.grpo.schedule import LRSchedule
+from splash_rollout.recipes.grpo.sft import SFTConfig
+from splash_rollout.recipes.grpo.tool_env import CalculatorEnv, ToolConfig
+from splash_rollout.recipes.grpo.trainer import TrainerConfig
 from splash_rollout.models.config import PRESETS, resolve_model
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.rollout.config import EngineConfig

@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from recipes.grpo.loss import token_logprobs_and_entropy
-from recipes.grpo.routing_replay import replay_layers
+from splash_rollout.recipes.grpo.loss import token_logprobs_and_entropy
+from splash_rollout.recipes.grpo.routing_replay import replay_layers
 from splash_rollout.models.moe import routing_context
 from splash_rollout.distributed.groups import average_gradients, ensure_default_group
 

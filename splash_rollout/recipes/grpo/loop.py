@@ -36,23 +36,23 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.grpo import checkpoint as ckpt
-from recipes.grpo.dynamic_sampling import GroupScorer, oversample_metrics
-from recipes.grpo.build import (build_engine, build_engine_with_weights, build_policy, eval_config, load_reference,
+from splash_rollout.recipes.grpo import checkpoint as ckpt
+from splash_rollout.recipes.grpo.dynamic_sampling import GroupScorer, oversample_metrics
+from splash_rollout.recipes.grpo.build import (build_engine, build_engine_with_weights, build_policy, eval_config, load_reference,
                                 loss_config, lr_schedule, max_prompt_len, model_source, oversample_config,
                                 partial_rollout_config, sft_config, tool_env, trainer_config)
-from recipes.grpo.evaluation import evaluate_per_prompt, paired_comparison
-from recipes.grpo.loss import group_advantages
-from recipes.grpo.metrics import memory_metrics, step_metrics
-from recipes.grpo.multi_turn import MultiTurnEngine
-from recipes.grpo.plots import moving_average, plot_reward
-from recipes.grpo.partial_rollout import Carry
-from recipes.grpo.reward_fns import RewardFunction, Rewards
-from recipes.grpo.sft import run_sft
-from recipes.grpo.task_data import Example, PromptOrder, build_task_data
-from recipes.grpo.tool_demos import sft_target
-from recipes.grpo.trainer import Trainer
-from recipes.grpo.update import UpdateConfig, grpo_update, reference_logprobs, shape_rewards
+from splash_rollout.recipes.grpo.evaluation import evaluate_per_prompt, paired_comparison
+from splash_rollout.recipes.grpo.loss import group_advantages
+from splash_rollout.recipes.grpo.metrics import memory_metrics, step_metrics
+from splash_rollout.recipes.grpo.multi_turn import MultiTurnEngine
+from splash_rollout.recipes.grpo.plots import moving_average, plot_reward
+from splash_rollout.recipes.grpo.partial_rollout import Carry
+from splash_rollout.recipes.grpo.reward_fns import RewardFunction, Rewards
+from splash_rollout.recipes.grpo.sft import run_sft
+from splash_rollout.recipes.grpo.task_data import Example, PromptOrder, build_task_data
+from splash_rollout.recipes.grpo.tool_demos import sft_target
+from splash_rollout.recipes.grpo.trainer import Trainer
+from splash_rollout.recipes.grpo.update import UpdateConfig, grpo_update, reference_logprobs, shape_rewards
 from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.reporting import MetricsSink, NoOpSink, make_sink
 from splash_rollout.reporting.timeline import TABLE_COLUMNS, plot_timeline, table_rows, write_timeline_json

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from recipes.grpo.reward_fns import Rewards
+from splash_rollout.recipes.grpo.reward_fns import Rewards
 from splash_rollout.reporting.timeline import layout_metrics
 from splash_rollout.rollout.types import RolloutBatch
 

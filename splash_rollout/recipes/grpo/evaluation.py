@@ -19,8 +19,8 @@ from math import comb, sqrt
 
 import numpy as np
 
-from recipes.grpo.reward_fns import RewardFunction
-from recipes.grpo.task_data import Example
+from splash_rollout.recipes.grpo.reward_fns import RewardFunction
+from splash_rollout.recipes.grpo.task_data import Example
 from splash_rollout.rollout.types import SamplingParams
 
 
