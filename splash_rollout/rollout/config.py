@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
 
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.numerics import NUMERICS_MODES
+
+if TYPE_CHECKING:
+    from splash_rollout.scheduling.policy import PolicyConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -48,6 +52,12 @@ class EngineConfig:
     measures (shared per-stage-group factors, then per-layout and per-step-shape factors, each
     shrunk toward the profile until observations outweigh it; scheduling/online.py). The factors
     are in every timeline decision (``correction``). False: price with the profile as it is."""
+    policy: PolicyConfig | Mapping[str, Any] | None = None
+    """The layout policy's knobs under ``layout="auto"`` (``scheduling.policy.PolicyConfig``: the
+    margins a switch must clear, the dwell after a switch and what may end it early, the horizon
+    quantile, how often the engine decides and feeds the online correction). A mapping of its field
+    names is taken too (Hydra: ``engine.policy.min_dwell_steps=8``) and becomes a PolicyConfig
+    here. None: its defaults."""
     attention_backend: str = "cpu"
     """``cpu`` (default): a native kernel (built with the system C++ compiler at first use, cached)
     that reads the paged KV pool in place, for float32 / bfloat16 pools on the CPU; other pools,
@@ -130,6 +140,10 @@ class EngineConfig:
             raise ValueError(f"online_correction: expected True or False, got {self.online_correction!r}")
         if str(self.layout).lower() != "auto":
             Layout.parse(self.layout, "layout")
+        from splash_rollout.scheduling.policy import PolicyConfig
+
+        if self.policy is not None and not isinstance(self.policy, PolicyConfig):
+            object.__setattr__(self, "policy", PolicyConfig.from_mapping(self.policy, "policy"))
         from splash_rollout.engine.attention import available_backends
 
         if self.attention_backend not in available_backends():

@@ -216,7 +216,7 @@ def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes
     from splash_rollout.layout.footprint import RankBudget, footprints
     from splash_rollout.scheduling.deployment import Deployment
     from splash_rollout.scheduling.online import StepTimeCorrection
-    from splash_rollout.scheduling.policy import LayoutPolicy
+    from splash_rollout.scheduling.policy import LayoutPolicy, PolicyConfig
     from splash_rollout.scheduling.profile import load_profile
 
     profile = dataclasses.replace(load_profile(config.profile), world_size=world_size, memory_bytes=budget_bytes,
@@ -224,7 +224,8 @@ def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes
     sizes = sizes_for(model_config, dtype)
     fps = footprints(sizes, world_size, RankBudget(budget_bytes), config.page_size)
     return LayoutPolicy(Deployment(model_config, profile, sizes, fps, config.page_size, sizes.weight_dtype,
-                                   sizes.kv_format), correction=StepTimeCorrection() if config.online_correction else None)
+                                   sizes.kv_format), config=config.policy or PolicyConfig(),
+                        correction=StepTimeCorrection() if config.online_correction else None)
 
 
 # ---- what every rank runs (module level so they pickle by name) ----------------------------------------

@@ -39,9 +39,11 @@ Every call returns a ``Decision`` record the engine stores in its timeline.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -94,6 +96,24 @@ class PolicyConfig:
     ``dwell_evidence_steps`` of every stay in a layout):
     a drain's steps repeat their shape, and pricing each one costs rank 0 a quarter of a decision
     (0.25 ms at B = 228 on a 2-core CPU, where one in four was 0.4 % of a drain's wall time)."""
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "policy") -> "PolicyConfig":
+        """A PolicyConfig from a mapping of its field names (a YAML or Hydra group); None values
+        keep the defaults, ``layouts`` may be layout names. Unknown names are an error naming them."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"{where}: expected a PolicyConfig or a mapping of its fields, got {type(values).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; expected some of {names}")
+        kwargs = {k: v for k, v in values.items() if v is not None}
+        if "layouts" in kwargs:
+            kwargs["layouts"] = tuple(Layout.parse(x, f"{where}.layouts") for x in kwargs["layouts"])
+        try:
+            return cls(**kwargs)
+        except ValueError as e:  # name the field where the caller wrote it
+            raise ValueError(f"{where}.{e}" if str(e).split(":")[0] in names else f"{where}: {e}") from None
 
     def __post_init__(self) -> None:
         if self.rel_margin < 0 or self.abs_margin_s < 0 or self.min_dwell_steps < 0:

@@ -64,7 +64,8 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
                   max_model_len=e.max_model_len, device=cfg.hardware.device,
                   attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
                   numerics=e.get("numerics", "fast"), online_correction=bool(e.get("online_correction", True)),
-                  return_routing=bool(cfg.grpo.get("routing_replay", False)))  # the trainer replays it
+                  return_routing=bool(cfg.grpo.get("routing_replay", False)),  # the trainer replays it
+                  policy=OmegaConf.to_container(e.policy) if e.get("policy") is not None else None)
     if e.layout is not None:
         kwargs["layout"] = e.layout
     return RolloutEngine(EngineConfig(**kwargs))
