@@ -28,7 +28,7 @@ from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost,
 from splash_rollout.rollout.progress import progress_enabled
 from splash_rollout.rollout.streaming import ABORTED, FILTERED, KEPT, check_stream_args, make_group, serve_streaming
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics
-from splash_rollout.rollout.validation import (agree_across_ranks, check_queue_bound, check_sampling, check_world_size,
+from splash_rollout.rollout.validation import (check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams
 
@@ -96,7 +96,7 @@ class RolloutEngine:
     def local_engine(self):
         """This process's ``engine.Engine`` (world_size 1, or this rank under torchrun); None when the
         ranks are spawned. For inspection (page managers, pools, logs), not for driving calls."""
-        return self._host.ctx.state.get("engine") if isinstance(self._host, LocalHost) else None
+        return self._host.local_engine
 
     @property
     def model(self):
@@ -109,7 +109,7 @@ class RolloutEngine:
     def worker_group(self):
         """The spawned ranks (``distributed.launch.WorkerGroup``), or None when the engine lives in
         this process. ``worker_group.run(fn)`` runs a module-level ``fn(ctx)`` on every rank."""
-        return self._host.group if isinstance(self._host, SpawnedHost) else None
+        return self._host.worker_group
 
     # ---- tokenizer -----------------------------------------------------------------------------
     @property
@@ -353,13 +353,13 @@ class RolloutEngine:
                 requests, groups = self._build_requests(prompts, sampling)
                 error = None
             except Exception as e:  # noqa: BLE001 - under torchrun the other ranks must hear of it
-                if not self._in_process_group:
+                if not self._host.every_rank_calls:
                     raise
                 requests, groups, error = [], [], e
-            if self._in_process_group:  # torchrun: every rank must hold the same requests
+            if self._host.every_rank_calls:  # torchrun: every rank must hold the same requests
                 digest = None if error else request_digest([RequestRecord.of(r) for r in requests])
                 try:
-                    agree_across_ranks(self._host.control.gather_objects, digest, error)
+                    self._host.agree(digest, error)
                 except (ValueError, TypeError):
                     raise
                 except BaseException as e:
@@ -444,11 +444,6 @@ class RolloutEngine:
             raise RuntimeError(f"{what}: this RolloutEngine is unusable after a failure on its ranks ({self._broken}); "
                                f"call shutdown() and build a new RolloutEngine")
 
-    @property
-    def _in_process_group(self) -> bool:
-        """Whether the engine lives in the caller's multi-rank group (torchrun): every rank calls in."""
-        return isinstance(self._host, LocalHost) and self.config.world_size > 1
-
     def _on_ranks(self, fn, *args):
         """``fn`` on every rank, returning rank 0's result. A failure there leaves the ranks out of step
         (some may still sit in a collective, a switch may be half-moved), so the engine stops its
@@ -467,8 +462,7 @@ class RolloutEngine:
                      None)
         self._broken = f"{what}: {type(e).__name__}: {lines[0] if lines else ''}" + (
             f" ... {cause}" if cause and cause != lines[0] else "")
-        if isinstance(self._host, SpawnedHost):
-            self._host.shutdown(force=True)
+        self._host.after_failure()
 
     # ---- sleep / wake ----------------------------------------------------------------------------
     @property

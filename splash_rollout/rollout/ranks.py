@@ -28,6 +28,7 @@ from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
 from splash_rollout.models.numerics import set_numerics
+from splash_rollout.rollout.validation import agree_across_ranks
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,7 +92,11 @@ class LocalContext:
 
 
 class LocalHost:
-    """The engine in this process: T = 1, or this rank of the caller's T-rank group."""
+    """The engine in this process: T = 1, or this rank of the caller's T-rank group (torchrun, a
+    trainer), where every rank calls the engine with the same arguments."""
+
+    worker_group = None
+    """No spawned ranks."""
 
     def __init__(self, groups: ProcessGroups) -> None:
         self.ctx = LocalContext(groups)
@@ -100,6 +105,24 @@ class LocalHost:
     @property
     def rank(self) -> int:
         return self.ctx.rank
+
+    @property
+    def local_engine(self) -> Engine | None:
+        """This process's engine (None before it is built and after shutdown)."""
+        return self.ctx.state.get("engine")
+
+    @property
+    def every_rank_calls(self) -> bool:
+        """Whether the caller's other ranks make the same call (so an input error must reach them)."""
+        return self.ctx.world_size > 1
+
+    def agree(self, digest: str | None, error: BaseException | None) -> None:
+        """Every rank holds the same requests, or every rank raises (a no-op on one rank)."""
+        if self.every_rank_calls:
+            agree_across_ranks(self.control.gather_objects, digest, error)
+
+    def after_failure(self) -> None:
+        """Nothing to stop: the ranks are the caller's."""
 
     def run(self, fn, *args) -> Any:
         """``fn(ctx, *args)`` here; every rank returns rank 0's result."""
@@ -120,6 +143,10 @@ class SpawnedHost:
     """T ranks this process spawned; a call runs on all of them and returns rank 0's result."""
 
     rank = 0
+    local_engine = None
+    """The engines live in the spawned ranks."""
+    every_rank_calls = False
+    """Only this process calls; it sends each call to the ranks."""
 
     def __init__(self, world_size: int, timeout_s: float, device: str = "cpu") -> None:
         from splash_rollout.distributed.launch import WorkerGroup
@@ -137,6 +164,18 @@ class SpawnedHost:
 
     def shutdown(self, force: bool = False) -> None:
         self.group.shutdown(force=force)
+
+    @property
+    def worker_group(self):
+        """The spawned ranks (``distributed.launch.WorkerGroup``)."""
+        return self.group
+
+    def agree(self, digest: str | None, error: BaseException | None) -> None:
+        """The requests were built once, here: nothing to agree on."""
+
+    def after_failure(self) -> None:
+        """A failed call leaves the ranks out of step: stop them."""
+        self.shutdown(force=True)
 
 
 def compute_backend(device: str, world_size: int) -> str:

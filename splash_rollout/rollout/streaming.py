@@ -148,7 +148,7 @@ def serve_streaming(engine, requests: list[Request], groups: list[list[Request]]
                 judged.append(ok)
                 verdicts[g] = KEPT if ok else FILTERED
                 kept += ok
-            if judged and engine._in_process_group:  # every rank keeps rank 0's verdicts
+            if judged and engine._host.every_rank_calls:  # every rank keeps rank 0's verdicts
                 answers = engine._host.control.broadcast_object([verdicts[g] for g in done])
                 kept = kept - sum(verdicts[g] == KEPT for g in done) + sum(a == KEPT for a in answers)
                 for g, a in zip(done, answers):
