@@ -1,0 +1,270 @@
+"""Everything a GRPO run builds before its first step, in one object (``GRPORun``), so the loop in
+``loop.py`` reads as the algorithm.
+
+``set_up`` checks what can be checked before any work (the reward function answers a probe, every
+data row has its keys, the eval split is not empty, a checkpoint to resume from belongs to this
+model), then builds the data, the policy (SFT, a saved warm start or a checkpoint), the trainer, the
+KL reference, the engine holding the policy's weights, where each step's groups come from
+(``StepRollout``: plain, over-sampled, partial) and what happens to the engine's memory while the
+trainer steps (``EngineMemory``). ``cfg`` is the composed Hydra config (``conf/``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from splash_rollout.models.tokenizer import load_tokenizer
+from splash_rollout.recipes.grpo import checkpoint as ckpt
+from splash_rollout.recipes.grpo.build import (build_engine_with_weights, build_policy, eval_config, load_reference,
+                                               loss_config, lr_schedule, max_prompt_len, model_source,
+                                               oversample_config, partial_rollout_config, sft_config, tool_env,
+                                               trainer_config)
+from splash_rollout.recipes.grpo.engine_memory import EngineMemory
+from splash_rollout.recipes.grpo.evaluation import EvalConfig, evaluate_per_prompt
+from splash_rollout.recipes.grpo.loss import GRPOLossConfig
+from splash_rollout.recipes.grpo.multi_turn import MultiTurnEngine
+from splash_rollout.recipes.grpo.partial_rollout import Carry
+from splash_rollout.recipes.grpo.reward_fns import RewardFunction
+from splash_rollout.recipes.grpo.sft import run_sft
+from splash_rollout.recipes.grpo.step_rollout import StepRollout
+from splash_rollout.recipes.grpo.task_data import PromptOrder, TaskData, build_task_data
+from splash_rollout.recipes.grpo.tool_demos import sft_target
+from splash_rollout.recipes.grpo.trainer import Trainer
+from splash_rollout.recipes.grpo.update import UpdateConfig
+from splash_rollout.reporting import MetricsSink, NoOpSink, make_sink
+from splash_rollout.rollout.types import SamplingParams
+
+
+@dataclass
+class GRPORun:
+    """One rank's run: what ``set_up`` built and the state the loop carries from step to step."""
+
+    cfg: DictConfig
+    run_dir: str
+    rank: int
+    world_size: int
+    tokenizer: Any
+    reward_fn: RewardFunction
+    evaluation: EvalConfig
+    data: TaskData
+    losses: GRPOLossConfig
+    schedule: Any
+    """The learning-rate schedule (``lr_at(step)``, ``to_dict()``)."""
+    trainer: Trainer
+    ref_model: torch.nn.Module | None
+    own_reference: bool
+    """The KL reference is the post-SFT policy (kept in checkpoints) rather than ``grpo.ref_path``."""
+    update: UpdateConfig
+    engine: Any
+    """The RolloutEngine (a MultiTurnEngine around it with tools)."""
+    rollout: StepRollout
+    engine_memory: EngineMemory
+    sampling: SamplingParams
+    sink: MetricsSink
+    fingerprint: dict
+    start: int
+    """The first GRPO step to run (a checkpoint's step when resuming)."""
+    step_offset: int
+    """Added to GRPO steps in the sink (SFT steps come first when they are logged)."""
+    sft_summary: dict
+    t_start: float
+    timelines: list = field(default_factory=list)
+    past_rewards: list[float] = field(default_factory=list)
+    """reward/mean of the steps so far (rank 0), for reward/mean_ma."""
+    samples_file: IO[str] | None = None
+
+    @property
+    def steps(self) -> int:
+        return int(self.cfg.grpo.steps)
+
+    @property
+    def eval_file(self) -> str:
+        return os.path.join(self.run_dir, "eval_correct.jsonl")
+
+    def sampling_for(self, step: int) -> SamplingParams:
+        """The step's sampling: the run's, seeded per step."""
+        return dataclasses.replace(self.sampling, seed=self.cfg.seed * 100_003 + step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out eval when it is due before ``step`` (and after the last); {} otherwise."""
+        ev = self.evaluation
+        if not ev.enabled or not (step % ev.every == 0 or step == self.steps):
+            return {}
+        t0 = time.perf_counter()
+        stop_ids = tuple(self.tokenizer.eos_token_ids)
+        out, correct = evaluate_per_prompt(self.engine, self.data.eval, self.reward_fn, self.tokenizer, ev, stop_ids)
+        if self.rank == 0:
+            with open(self.eval_file, "a") as f:  # per prompt, for the paired comparison at the end
+                f.write(json.dumps({"grpo_step": step, "correct": correct}) + "\n")
+            print(f"[eval] before step {step:3d}: accuracy {out['eval/accuracy']:.3f} "
+                  f"[{out['eval/accuracy_low']:.3f}, {out['eval/accuracy_high']:.3f}] on {len(correct)} prompts"
+                  + "".join(f" {k[5:]} {v:.3f}" for k, v in out.items() if k.startswith("eval/pass@")), flush=True)
+        return {**out, "timing_s/eval": time.perf_counter() - t0}
+
+    def save_if_due(self, step: int) -> None:
+        """A checkpoint after ``step`` every ``trainer.save_every`` steps and after the last."""
+        save_every = int(self.cfg.trainer.get("save_every", 0) or 0)
+        if not save_every or not ((step + 1) % save_every == 0 or step + 1 == self.steps):
+            return
+        carry = self.rollout.carry
+        state = ckpt.RunState(step=step + 1, weight_version=step + 1, data_cursor=self.rollout.order.cursor,
+                              lr_schedule=self.schedule.to_dict(), world_size=self.world_size,
+                              model=self.fingerprint, has_reference=self.own_reference,
+                              carried_groups=len(carry.groups) if carry is not None else 0)
+        ckpt.save_checkpoint(self.run_dir, state, self.rank, self.trainer.named_weights(),
+                             self.trainer.optimizer_state(),
+                             self.ref_model.state_dict() if self.own_reference else None, self.timelines,
+                             carried=carry.state_dict() if carry is not None else None)
+
+
+def _configure_process(cfg: DictConfig, rank: int) -> None:
+    hw = cfg.hardware
+    if hw.threads:
+        torch.set_num_threads(int(hw.threads))
+    if hw.flush_denormal:
+        torch.set_flush_denormal(True)  # softmax tails go denormal; CPU matmuls slow down ~7x otherwise
+    if str(hw.device).startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))  # engine and trainer: this rank's GPU
+    torch.manual_seed(cfg.seed)
+
+
+def truncate_jsonl(path: str, keep) -> list[dict]:
+    """Keep the rows of ``path`` for which ``keep(row)``; returns them (a resumed run drops what
+    the interrupted one logged after its last checkpoint)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in rows if keep(r)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    return kept
+
+
+def log_sft(sink: MetricsSink, metrics: dict[str, float], step: int, rank: int, to_sink: bool) -> None:
+    if to_sink:
+        sink.log(metrics, step=step)
+    if rank == 0:
+        print(f"[sft] step {step:4d} loss {metrics['sft/loss']:.3f} lr {metrics['sft/lr']:.2e} "
+              f"{metrics['timing_s/sft']:.0f}s", flush=True)
+
+
+def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun:
+    """Checks, data, policy (SFT / warm start / checkpoint), trainer, reference, engine and the
+    step's strategies, in the order the run needs them."""
+    t_start = time.perf_counter()
+    _configure_process(cfg, rank)
+    os.makedirs(run_dir, exist_ok=True)
+    g, s = cfg.grpo, cfg.sft
+    tokenizer = load_tokenizer(cfg.model.tokenizer or model_source(cfg))
+    stop_ids = tuple(tokenizer.eos_token_ids)
+
+    # ---- everything checkable, before any work
+    reward_fn = RewardFunction(cfg.reward)
+    evaluation = eval_config(cfg)
+    sft_cfg = sft_config(cfg)
+    resume = cfg.get("resume")
+    do_sft = not resume and not s.get("load") and sft_cfg.steps > 0
+    oversample = oversample_config(cfg)
+    tools = tool_env(cfg, tokenizer)  # tool.*: multi-turn rollouts with a calculator (multi_turn.py)
+    partial = partial_rollout_config(cfg)
+    data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
+                           sft_examples=sft_cfg.steps * sft_cfg.batch_size if do_sft else 0,
+                           fresh_prompts=g.steps * (oversample.oversample_groups if oversample else g.prompts_per_step))
+    reward_fn.probe(data.train[0])
+    schedule = lr_schedule(cfg)
+    losses = loss_config(cfg)
+    if losses.kl_coef > 0 and g.get("ref_path") and not os.path.exists(g.ref_path):
+        raise FileNotFoundError(f"grpo.ref_path: {g.ref_path!r} does not exist")
+    policy = build_policy(cfg)
+    fingerprint = ckpt.model_fingerprint(model_source(cfg), policy)
+    restored = None
+    if resume:
+        folder = ckpt.latest_checkpoint(resume)
+        state = ckpt.read_state(folder)
+        ckpt.check_compatible(state, folder, fingerprint, world_size, schedule.to_dict())
+        ckpt.check_carried(state, folder, partial is not None)
+        restored = (state, ckpt.load_rank_files(folder, state, rank))
+        # before the trainer exists: ZeRO takes its fp32 master copy at deepspeed.initialize
+        policy.load_state_dict(restored[1]["policy"], strict=True)
+    elif s.get("load"):  # a saved warm start (sft_policy.pt of an earlier run) replaces SFT
+        policy.load_state_dict(torch.load(s.load, map_location="cpu"), strict=True)
+
+    # ---- outputs: a resumed run drops what the interrupted one logged after its checkpoint
+    sink: MetricsSink = NoOpSink()
+    past_rewards: list[float] = []
+    eval_file = os.path.join(run_dir, "eval_correct.jsonl")
+    if rank == 0:
+        if resume:
+            kept = truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), lambda r: r.get("grpo_step", -1) < state.step)
+            past_rewards = [r["reward/mean"] for r in kept if "reward/mean" in r]
+            truncate_jsonl(os.path.join(run_dir, "samples.jsonl"), lambda r: r.get("step", -1) < state.step)
+            truncate_jsonl(eval_file, lambda r: r.get("grpo_step", -1) < state.step)
+        elif os.path.exists(eval_file):
+            os.remove(eval_file)
+        sink = make_sink(cfg.logger.kind, rank, run_dir, project=cfg.logger.project, name=cfg.logger.name,
+                         mode=cfg.logger.mode, entity=cfg.logger.entity,
+                         config=OmegaConf.to_container(cfg, resolve=True))
+
+    # ---- the policy: checkpoint, or SFT (unless a warm start was loaded)
+    trainer = Trainer(policy, trainer_config(cfg), rank=rank, world_size=world_size, temperature=g.temperature)
+    sft_summary = {}
+    if restored is not None:
+        trainer.load_optimizer_state(restored[1]["optimizer"])
+    elif do_sft:
+        sft_summary = run_sft(trainer, tokenizer, data.sft, sft_cfg, trainer.config.micro_batch_size,
+                              log=lambda m, i: log_sft(sink, m, i, rank, cfg.logger.log_sft),
+                              targets=(lambda ex: sft_target(ex, tokenizer, tools)) if tools else None,
+                              micro_batch_tokens=trainer.config.micro_batch_tokens)
+        if rank == 0 and s.get("save", True):
+            torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
+        trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
+
+    ref_model, own_reference = None, False
+    if losses.kl_coef > 0:
+        if g.get("ref_path"):
+            ref_model = load_reference(g.ref_path, trainer.model, cfg.model.dtype)
+        else:  # the post-SFT policy (kept in checkpoints, since a resumed run cannot rebuild it)
+            ref_model, own_reference = copy.deepcopy(trainer.model).eval().requires_grad_(False), True
+            if restored is not None:
+                ref_model.load_state_dict(restored[1]["reference"], strict=True)
+    update = UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=trainer.config.micro_batch_size,
+                          micro_batch_tokens=trainer.config.micro_batch_tokens,
+                          max_new_tokens=g.max_new_tokens, overlong=g.get("overlong", "keep"),
+                          overlong_penalty=float(g.get("overlong_penalty", 1.0)), kl_in=g.get("kl_in", "loss"),
+                          shuffle_minibatches=bool(g.get("shuffle_minibatches", False)), seed=int(cfg.seed),
+                          routing_replay=bool(g.get("routing_replay", False)))
+
+    # ---- the engine and where each step's groups come from
+    start, version, cursor, timelines = 0, 0, 0, []
+    if restored is not None:
+        state, files = restored
+        start, version, cursor, timelines = state.step, state.weight_version, state.data_cursor, files["timelines"]
+        ckpt.set_rng_states(files["rng"])
+    carry = Carry(partial) if partial else None
+    if carry is not None and restored is not None:
+        carry.load_state_dict(restored[1]["carried"])
+    engine = build_engine_with_weights(cfg, trainer.named_weights(), version=version)
+    if tools is not None:  # generate (rollouts and eval) now answers calculator calls between turns
+        engine = MultiTurnEngine(engine, tools, tools.config.max_turns)
+    order = PromptOrder(len(data.train), bool(cfg.data.get("shuffle", False)), int(cfg.data.get("seed", 0)), cursor)
+    rollout = StepRollout(reward_fn, data.train, order, tokenizer, int(g.prompts_per_step), oversample, carry)
+    sampling = SamplingParams(n=g.n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
+                              stop_token_ids=stop_ids)
+    return GRPORun(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, tokenizer=tokenizer,
+                   reward_fn=reward_fn, evaluation=evaluation, data=data, losses=losses, schedule=schedule,
+                   trainer=trainer, ref_model=ref_model, own_reference=own_reference, update=update,
+                   engine=engine, rollout=rollout,
+                   engine_memory=EngineMemory(release=bool(cfg.engine.get("sleep_during_train", False))),
+                   sampling=sampling, sink=sink, fingerprint=fingerprint, start=start,
+                   step_offset=sft_cfg.steps if cfg.logger.log_sft else 0, sft_summary=sft_summary,
+                   t_start=t_start, timelines=timelines, past_rewards=past_rewards,
+                   samples_file=open(os.path.join(run_dir, "samples.jsonl"), "a") if rank == 0 else None)
