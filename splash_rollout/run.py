@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import os
 
-import hydra
 import torch
 import torch.multiprocessing as mp
-from omegaconf import DictConfig, OmegaConf
+
+try:
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+except ModuleNotFoundError as e:  # the engine installs without the recipe's stack
+    raise ModuleNotFoundError(f"python -m splash_rollout.run needs the GRPO recipe's stack ({e.name} is not installed): "
+                              f"pip install \"splash_rollout[rl]\"", name=e.name) from e
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 

@@ -36,14 +36,14 @@ from splash_rollout.recipes.grpo.evaluation import paired_comparison
 from splash_rollout.recipes.grpo.loss import group_advantages
 from splash_rollout.recipes.grpo.metrics import step_metrics
 from splash_rollout.recipes.grpo.plots import moving_average, plot_reward
-from splash_rollout.recipes.grpo.setup import GRPORun, log_sft, set_up, truncate_jsonl
-from splash_rollout.recipes.grpo.step_rollout import StepGroups, score_batch
+from splash_rollout.recipes.grpo.setup import GRPORun, set_up, truncate_jsonl
+from splash_rollout.recipes.grpo.step_rollout import StepGroups
 from splash_rollout.recipes.grpo.task_data import Example
 from splash_rollout.recipes.grpo.update import grpo_update, reference_logprobs, shape_rewards
 from splash_rollout.reporting.timeline import TABLE_COLUMNS, plot_timeline, table_rows, write_timeline_json
 from splash_rollout.rollout.types import RolloutBatch
 
-__all__ = ["train", "build_engine", "build_policy", "build_engine_with_weights", "score_batch", "log_sft"]
+__all__ = ["train", "build_engine", "build_policy", "build_engine_with_weights"]
 
 
 @contextmanager
@@ -109,9 +109,8 @@ def log_untrained(run: GRPORun, step: int, groups: StepGroups, extra: dict[str, 
 
 def log_step(run: GRPORun, step: int, metrics: dict[str, float], groups: StepGroups, rewards: torch.Tensor) -> None:
     """The step's metrics (with reward/mean_ma), its timeline, its samples and one line on stdout."""
-    ma_window = max(1, int(run.cfg.grpo.summary_window))  # reward/mean_ma: trailing mean over this many steps
     run.past_rewards.append(metrics["reward/mean"])
-    metrics["reward/mean_ma"] = moving_average(run.past_rewards[-ma_window:], ma_window)[-1]
+    metrics["reward/mean_ma"] = moving_average(run.past_rewards[-run.ma_window:], run.ma_window)[-1]
     run.sink.log(metrics, step=run.step_offset + step)
     run.timelines.append((step, groups.batch.timeline.to_dict()))
     if run.samples_file is not None:
@@ -137,14 +136,13 @@ def finish(run: GRPORun) -> dict[str, Any]:
     if rank == 0:
         run.samples_file.close()
         run_dir, timelines = run.run_dir, run.timelines
-        ma_window = max(1, int(run.cfg.grpo.summary_window))
         history = truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), lambda r: True)
         write_timeline_json(os.path.join(run_dir, "timeline.json"), timelines)
         png = plot_timeline(os.path.join(run_dir, "timeline.png"), timelines)
         last = run.step_offset + steps - 1
         sink.log_table("timeline/phases", TABLE_COLUMNS, [r for s_, t in timelines for r in table_rows(s_, t)], last)
         sink.log_image("timeline/plot", png, last)
-        sink.log_image("reward/plot", plot_reward(os.path.join(run_dir, "reward.png"), history, ma_window, paired),
+        sink.log_image("reward/plot", plot_reward(os.path.join(run_dir, "reward.png"), history, run.ma_window, paired),
                        last)
         summary.update(**reward_summary([h for h in history if "reward/mean" in h], run.cfg.grpo.summary_window),
                        **eval_summary(history), **run.data.metrics(), total_s=time.perf_counter() - run.t_start)

@@ -86,6 +86,11 @@ class GRPORun:
         return int(self.cfg.grpo.steps)
 
     @property
+    def ma_window(self) -> int:
+        """reward/mean_ma: the trailing mean over this many steps."""
+        return max(1, int(self.cfg.grpo.summary_window))
+
+    @property
     def eval_file(self) -> str:
         return os.path.join(self.run_dir, "eval_correct.jsonl")
 
@@ -99,8 +104,8 @@ class GRPORun:
         if not ev.enabled or not (step % ev.every == 0 or step == self.steps):
             return {}
         t0 = time.perf_counter()
-        stop_ids = tuple(self.tokenizer.eos_token_ids)
-        out, correct = evaluate_per_prompt(self.engine, self.data.eval, self.reward_fn, self.tokenizer, ev, stop_ids)
+        out, correct = evaluate_per_prompt(self.engine, self.data.eval, self.reward_fn, self.tokenizer, ev,
+                                           tuple(self.sampling.stop_token_ids))
         if self.rank == 0:
             with open(self.eval_file, "a") as f:  # per prompt, for the paired comparison at the end
                 f.write(json.dumps({"grpo_step": step, "correct": correct}) + "\n")
