@@ -239,12 +239,21 @@ PRESETS: dict[str, HardwareProfile] = {
     # B200: 180 GB usable HBM3e (183,359 MiB), ~8 TB/s, 2.25 PFLOP/s bf16 / 4.5 fp8 dense,
     # NVLink5 1.8 TB/s bidirectional.
     "b200": _nvlink_gpu("b200", 183_359, 0.85, 2250.0, 4500.0, 8.0, 1800.0),
-    # The CPU engine (torch_ref backend, gloo) on two ranks of a 2-core machine, as
-    # ``python -m splash_rollout.calibrate --world-size 2`` measured it: rates and bandwidth from the
-    # microbenchmarks, the rest fitted to 128 engine steps (median error 7.8 %; held-out grid 10.7 %).
+    # The CPU engine (its native ``cpu`` attention backend, shared-memory collectives) on two ranks of
+    # a 2-core AVX-512 machine, as ``python -m splash_rollout.calibrate --world-size 2`` measured it:
+    # rates from the microbenchmarks, the rest fitted to 64 engine steps (median error 9.1 %, max 37 %).
     # Recalibrate on other CPUs; ``EngineConfig(profile=<yaml>)`` takes the result.
     "cpu": HardwareProfile(
-        name="cpu", world_size=2, memory_bytes=1 * GiB, mem_fraction=1.0, matmul_flops=41.3e9,
+        name="cpu", world_size=2, memory_bytes=1 * GiB, mem_fraction=1.0, matmul_flops=81.6e9,
+        attention_flops=43.4e9, weight_read_Bps=22.7e9, kv_read_Bps=22.7e9,
+        all_gather=CollectiveCost(0.160e-3, 54.1e6), all_to_all=CollectiveCost(0.280e-3, 479e6),
+        all_reduce=CollectiveCost(0.136e-3, 68.4e6), step_overhead_s=0.277e-3, layer_overhead_s=1.83e-3,
+        engine="cpu", request_layer_s=0.0, request_step_s=0.162e-3, score_element_s=8.14e-9,
+        expert_call_s=85.7e-6),
+    # The same machine running the reference ``torch`` attention backend over gloo (the engine before
+    # its native kernels): fitted to 128 engine steps (median error 7.8 %; held-out grid 10.7 %).
+    "cpu-torch": HardwareProfile(
+        name="cpu-torch", world_size=2, memory_bytes=1 * GiB, mem_fraction=1.0, matmul_flops=41.3e9,
         attention_flops=25.9e9, weight_read_Bps=19.4e9, kv_read_Bps=19.4e9,
         all_gather=CollectiveCost(1.43e-3, 71.1e6), all_to_all=CollectiveCost(0.82e-3, 273e6),
         all_reduce=CollectiveCost(2.05e-3, 218e6), step_overhead_s=2.82e-3, layer_overhead_s=21.9e-6,

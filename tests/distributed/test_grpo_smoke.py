@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from tests.pinned_profile import PINNED_PROFILE
+
 pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 REQUIRED = ("step", "reward/mean", "rollout/response_len/mean", "perf/tokens_per_s", "layout/switches",
@@ -24,10 +26,11 @@ def test_two_grpo_steps_on_two_ranks_across_a_scheduler_switch(tmp_path):
     trainer's logprobs."""
     from splash_rollout.run import compose_config, launch
 
-    # θ as the profile gives it: the correction follows this machine's step times, and with them the
-    # machine's load, while this test pins what capacity decides
+    # θ pinned (tests/pinned_profile.py), uncorrected: the correction follows this machine's step
+    # times, and with them the machine's load, while this test pins what capacity decides
     launch(compose_config(TINY + ["engine.world_size=2", "engine.memory_budget_gib=0.002",
-                                  "engine.online_correction=false"]), str(tmp_path))
+                                  "engine.online_correction=false", f"engine.profile={PINNED_PROFILE}"]),
+           str(tmp_path))
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and [l["step"] for l in lines] == [0, 1]
     for line in lines:

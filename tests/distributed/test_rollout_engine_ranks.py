@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+from tests.pinned_profile import PINNED_PROFILE
 
 PROMPTS = [[5, 6, 7] * 30, [9] * 3, [11, 12] * 40]
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5, ignore_eos=True)
@@ -121,7 +122,7 @@ def test_weights_push_and_sleep_after_live_switches():
 
 def test_auto_layout_follows_a_draining_batch_and_records_why():
     """Under a tight memory budget (2.5 MiB per rank) DOP's pools admit more of a wide queue than
-    DP-attention's; with the calibrated CPU profile the policy moves into DOP while the queue lasts
+    DP-attention's; with the pinned profile (tests/pinned_profile.py) the policy moves into DOP while the queue lasts
     and out of it once two long requests are left -- and the outputs equal one rank's."""
     prompts = [[5 + i % 50] * (16 + (7 * i) % 24) for i in range(24)] + [[9] * 60, [11] * 50]
     params = ([SamplingParams(temperature=0, max_new_tokens=8 + (5 * i) % 16, ignore_eos=True) for i in range(24)]
@@ -130,7 +131,7 @@ def test_auto_layout_follows_a_draining_batch_and_records_why():
         want = [s.response_ids for s in one.generate(prompts, params).samples]
     # worst-case admission: the pools' capacity is what each layout reserves, the regime this pins
     # down; θ as the profile gives it (a corrected θ follows this machine's load)
-    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile="cpu", page_size=16,
+    cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile=PINNED_PROFILE, page_size=16,
                        max_num_batched_tokens=512, memory_budget_gib=2.5 / 1024, admission="worst_case",
                        online_correction=False)
     with RolloutEngine(cfg) as engine:

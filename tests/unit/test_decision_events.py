@@ -8,6 +8,7 @@ from splash_rollout.engine.layout_driver import LayoutDriver
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Decision, LayoutPolicy, PolicyConfig
 from splash_rollout.scheduling.decision_events import DecisionEvents
+from tests.pinned_profile import PINNED_PROFILE
 
 
 def test_events_in_order_of_what_changed():
@@ -70,8 +71,8 @@ class CountingPolicy(LayoutPolicy):
         from splash_rollout.rollout.config import EngineConfig
         from splash_rollout.rollout.ranks import make_policy
 
-        base = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto"), resolve_model("glm5-nano"),
-                           2, 2**28, torch.float32)
+        config_on_two = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile=PINNED_PROFILE)
+        base = make_policy(config_on_two, resolve_model("glm5-nano"), 2, 2**28, torch.float32)
         super().__init__(base.dep, config, base.correction)
         self.want, self.calls, self.observed = want, [], 0
 

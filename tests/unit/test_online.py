@@ -9,6 +9,9 @@ from splash_rollout.layout import Layout
 from splash_rollout.scheduling import LayoutPolicy, StepBatch
 from splash_rollout.scheduling.online import (GROUPS, CorrectionConfig, StepTimeCorrection, stage_groups,
                                               step_shape)
+from tests.pinned_profile import PINNED_PROFILE
+
+AUTO_ON_TWO = dict(model="glm5-nano", world_size=2, layout="auto", profile=PINNED_PROFILE)
 
 COMPUTE = np.array([1.0, 0.0, 0.0, 0.0])  # θ: one second of compute, nothing else
 
@@ -139,7 +142,7 @@ def test_the_policy_prices_with_the_corrected_theta():
     from splash_rollout.rollout.config import EngineConfig
     from splash_rollout.rollout.ranks import make_policy
 
-    pol = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto"), resolve_model("glm5-nano"), 2,
+    pol = make_policy(EngineConfig(**AUTO_ON_TWO), resolve_model("glm5-nano"), 2,
                       2**28, torch.float32)
     assert isinstance(pol, LayoutPolicy) and pol.correction is not None
     batch = StepBatch.make([100] * 8, 1, np.arange(8) % 2)
@@ -150,7 +153,7 @@ def test_the_policy_prices_with_the_corrected_theta():
     d = pol.decide(Layout.DP, batch, np.full(8, 50), 100).to_dict()
     assert d["step_costs"]["dp"] == pytest.approx(3.0 * d["prior_step_costs"]["dp"], rel=0.05)
     assert d["correction"]["observations"] == {"dp": 64} and "dp" in d["correction"]["layout"]  # one cell's window
-    off = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto", online_correction=False),
+    off = make_policy(EngineConfig(**AUTO_ON_TWO, online_correction=False),
                       resolve_model("glm5-nano"), 2, 2**28, torch.float32)
     assert off.correction is None and off.decide(Layout.DP, batch, np.full(8, 50), 100).to_dict()["correction"] == {}
 
@@ -164,7 +167,7 @@ def test_steps_of_one_signature_share_thetas_price():
     from splash_rollout.rollout.ranks import make_policy
     from splash_rollout.scheduling.policy import REPRICE_STEPS
 
-    pol = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto"), resolve_model("glm5-nano"), 2,
+    pol = make_policy(EngineConfig(**AUTO_ON_TWO), resolve_model("glm5-nano"), 2,
                       2**28, torch.float32)
     built = []
 
@@ -188,7 +191,7 @@ def test_a_layout_never_run_must_lead_by_more_than_its_doubt():
     from splash_rollout.rollout.ranks import make_policy
 
     def policy(spread):
-        base = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto"), resolve_model("glm5-nano"), 2,
+        base = make_policy(EngineConfig(**AUTO_ON_TWO), resolve_model("glm5-nano"), 2,
                            2**28, torch.float32)
         return LayoutPolicy(base.dep, base.config, StepTimeCorrection(CorrectionConfig(layout_spread=spread)))
 
@@ -217,7 +220,7 @@ def test_a_measured_stay_ends_its_dwell_for_a_switch_that_pays_many_times_over()
     from splash_rollout.rollout.ranks import make_policy
 
     def policy(correction=True):
-        return make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto", online_correction=correction),
+        return make_policy(EngineConfig(**AUTO_ON_TWO, online_correction=correction),
                            resolve_model("glm5-nano"), 2, 2**28, torch.float32)
 
     batch, left = StepBatch.make([300] * 8, 1, np.arange(8) % 2), np.full(8, 200)

@@ -4,6 +4,7 @@ import pytest
 
 from splash_rollout.layout import ALL_LAYOUTS, Layout, fits
 from splash_rollout.scheduling import Deployment, DecisionRule, LayoutPolicy, PolicyConfig, StepBatch, choose_owner
+from tests.pinned_profile import PINNED_PROFILE
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def _capacity_policy():
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.profile import load_profile
 
-    profile = load_profile("cpu").replace(engine="torch_ref", request_layer_s=3e-4, score_element_s=3e-9)
+    profile = load_profile(PINNED_PROFILE).replace(request_layer_s=3e-4, score_element_s=3e-9)
     cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile=profile, page_size=16,
                        memory_budget_gib=2.5 / 1024, max_num_batched_tokens=512)
     return make_policy(cfg, resolve_model("glm5-nano"), 2, int(2.5 * 2**20), torch.float32)

@@ -63,7 +63,7 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
                   max_num_seqs=e.max_num_seqs, memory_budget_gib=e.memory_budget_gib,
                   max_model_len=e.max_model_len, device=cfg.hardware.device,
                   attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
-                  numerics=e.get("numerics", "fast"), online_correction=bool(e.get("online_correction", True)),
+                  numerics=e.numerics, online_correction=bool(e.online_correction), profile=e.profile,
                   return_routing=bool(cfg.grpo.get("routing_replay", False)),  # the trainer replays it
                   policy=OmegaConf.to_container(e.policy) if e.get("policy") is not None else None)
     if e.layout is not None:
