@@ -25,7 +25,7 @@ from splash_rollout.models.config import resolve_model  # noqa: E402
 from splash_rollout.rollout.config import EngineConfig  # noqa: E402
 from splash_rollout.rollout.ranks import make_policy  # noqa: E402
 from splash_rollout.scheduling.cost_model import StepBatch  # noqa: E402
-from splash_rollout.scheduling.policy import Waiting  # noqa: E402
+from splash_rollout.scheduling.admission_plan import Waiting  # noqa: E402
 
 CASES = ((2, 0), (128, 0), (256, 0), (64, 192))
 """(running requests, queued requests)."""

@@ -6,12 +6,14 @@ Run it before and after a change that should not change behaviour, and compare t
     python scripts/behaviour_fingerprint.py --out after.json      # on the new one
     python scripts/behaviour_fingerprint.py --compare before.json after.json
 
-Two workloads, both deterministic (no wall-clock input reaches a decision):
+Three workloads, all deterministic (no wall-clock input reaches a decision):
 
 * **the memory-bound drain**: glm5-nano on 2 ranks, ``layout="auto"``, a 2.5 MiB budget per rank
   so that the pools bind, worst-case admission, the online correction off (measured step times
   would make decisions follow the machine's load). Recorded: every sample's tokens and logprobs,
   every policy decision (step, rule, chosen layout, admissions, predicted costs) and every switch.
+* **the simulator's adaptive drains** (GPU-scale, the same policy code with optimistic admission
+  and pressure relief): switch paths, switches and simulated tokens/s of three named workloads;
 * **a short GRPO run** of the default recipe under ``engine.numerics=reproducible`` (2 SFT steps,
   2 GRPO steps of 4 prompts x 4 samples, online correction off): every metrics.jsonl row with its
   wall-clock fields (times, rates, policy seconds) dropped.
@@ -71,6 +73,21 @@ def drain() -> dict:
     })
 
 
+def simulated() -> dict:
+    """The GPU-scale simulator's adaptive drains (its policy calls run the same code as the engine's,
+    with optimistic admission and so pressure relief): the switch path and simulated seconds."""
+    from splash_rollout.scheduling import Deployment
+    from splash_rollout.sim.core import SimConfig
+    from splash_rollout.sim.runs import drain as sim_drain, named_workload
+
+    out = {}
+    for hardware, workload in (("h200", "rl"), ("b200", "oscillating"), ("h200-paper", "paper")):
+        dep = Deployment.build("glm-5", hardware)
+        r = sim_drain(dep, named_workload(workload), SimConfig())
+        out[f"{hardware}/{workload}"] = _rounded({k: r[k] for k in ("switch_path", "switches", "tokens_per_s")})
+    return out
+
+
 def grpo(workdir: str) -> list[dict]:
     run_dir = os.path.join(workdir, "grpo")
     cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "engine.numerics=reproducible",
@@ -111,7 +128,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the fingerprint here")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two fingerprints")
-    ap.add_argument("--only", choices=("drain", "grpo"), help="one workload only")
+    ap.add_argument("--only", choices=("drain", "sim", "grpo"), help="one workload only")
     args = ap.parse_args()
     if args.compare:
         before, after = (json.load(open(p)) for p in args.compare)
@@ -128,6 +145,10 @@ def main() -> int:
         out["drain"] = drain()
         print(f"drain: {len(out['drain']['tokens'])} samples, {len(out['drain']['decisions'])} decisions, "
               f"{len(out['drain']['switches'])} switches", flush=True)
+    if args.only in (None, "sim"):
+        out["simulated"] = simulated()
+        paths = [f"{name}: {r['switch_path']}" for name, r in out["simulated"].items()]
+        print("simulated: " + "; ".join(paths), flush=True)
     if args.only in (None, "grpo"):
         with tempfile.TemporaryDirectory() as tmp:
             out["grpo_metrics"] = grpo(tmp)

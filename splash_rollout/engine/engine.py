@@ -39,7 +39,7 @@ from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
-from splash_rollout.engine.layout_driver import LayoutDriver
+from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
 from splash_rollout.engine.parallel_mlp import shard_feed_forward
 from splash_rollout.engine.placement import KVPlacement
@@ -108,6 +108,8 @@ class EngineSettings:
     """Rank 0 records every token's routed experts per MoE layer (engine/routing_capture.py)."""
     cpu_share: bool = True
     """One CPU rank: each step computes with the cores other processes leave free (engine/cpu_share.py)."""
+    driver: DriverConfig = DriverConfig()
+    """When rank 0 consults the layout policy and feeds its correction."""
 
     @property
     def initial_pages(self) -> int:
@@ -178,7 +180,7 @@ class Engine:
                                    prefix_sharing=settings.prefix_sharing)
         """This rank's replica: the same decisions on every rank."""
         self.block_table = BlockTable(settings.max_num_seqs, self.device)
-        self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule)
+        self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule, settings.driver)
         self.heartbeat, self.should_abort = heartbeat, should_abort
         self.routing = (RoutingRecorder(sum(map(config.is_moe_layer, range(config.num_layers))),
                                         config.num_experts_per_tok) if settings.return_routing and rank == 0 else None)

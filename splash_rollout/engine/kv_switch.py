@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splash_rollout.engine.page_manager import num_pages_for
-from splash_rollout.engine.placement import NOT_HERE, KVPlacement, pages_on_each_rank, rank_of_page
+from splash_rollout.engine.placement import NOT_HERE, KVPlacement, rank_of_page
 from splash_rollout.engine.request import Request
 from splash_rollout.layout.layouts import Layout
 
@@ -56,13 +55,12 @@ def switch_placement(placement: KVPlacement, running: list[Request], dst: Layout
     [T] pages the running requests are expected to still take in ``dst`` (the scheduler's
     estimate); they must fit next to the re-placed histories. A page several samples share (their
     prompt) is placed, moved and freed once: every sample's table points at the same destination page."""
-    t, ps = placement.world_size, placement.page_size
+    t = placement.world_size
     src = placement.layout
     cap_src = [m.num_pages for m in placement.managers]
     cap = list(capacity) if capacity is not None else cap_src
     for req in waiting:  # never switch into a layout that could not admit what is queued
-        need = pages_on_each_rank(num_pages_for(req.max_total_tokens, ps), dst.ownership, 0, t)
-        if max(need) > min(cap):
+        if not placement.can_ever_admit(req, dst, cap):
             return (f"request {req.request_id} ({req.max_total_tokens} tokens) could never be admitted in {dst} "
                     f"({min(cap)} pages per rank)")
     new_pages = [0] * t

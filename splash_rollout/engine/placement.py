@@ -91,7 +91,9 @@ class KVPlacement:
     def can_ever_admit(self, request: Request, layout: Layout | None = None,
                        pages_per_rank: list[int] | None = None) -> bool:
         """Whether the request's whole cap fits an empty group (else it can never run there); by
-        default in the current layout and pools, or in ``layout`` with ``pages_per_rank`` pages."""
+        default in the current layout and pools, or in ``layout`` with ``pages_per_rank`` pages.
+        The one page-level rule for it: submission (``Engine.can_ever_admit``, over every layout
+        the policy may enter) and a switch's deferral (engine/kv_switch.py, for the queue) ask here."""
         layout = layout or self.layout
         pages = pages_per_rank or [m.num_pages for m in self.managers]
         need = pages_on_each_rank(request.pages_needed(self.page_size), layout.ownership, 0, self.world_size)

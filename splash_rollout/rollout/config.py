@@ -9,6 +9,7 @@ from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.numerics import NUMERICS_MODES
 
 if TYPE_CHECKING:
+    from splash_rollout.engine.layout_driver import DriverConfig
     from splash_rollout.scheduling.policy import PolicyConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -55,9 +56,14 @@ class EngineConfig:
     policy: PolicyConfig | Mapping[str, Any] | None = None
     """The layout policy's knobs under ``layout="auto"`` (``scheduling.policy.PolicyConfig``: the
     margins a switch must clear, the dwell after a switch and what may end it early, the horizon
-    quantile, how often the engine decides and feeds the online correction). A mapping of its field
+    quantile, the layouts it may choose). A mapping of its field
     names is taken too (Hydra: ``engine.policy.min_dwell_steps=8``) and becomes a PolicyConfig
     here. None: its defaults."""
+    driver: DriverConfig | Mapping[str, Any] | None = None
+    """When ``layout="auto"`` consults the policy and feeds its online correction
+    (``engine.layout_driver.DriverConfig``: at events and at least every ``decide_every_steps``; one
+    step in ``observe_every_steps`` measured). A mapping of its field names is taken too (Hydra:
+    ``engine.driver.decide_every_steps=8``). None: its defaults."""
     attention_backend: str = "cpu"
     """``cpu`` (default): a native kernel (built with the system C++ compiler at first use, cached)
     that reads the paged KV pool in place, for float32 / bfloat16 pools on the CPU; other pools,
@@ -144,6 +150,10 @@ class EngineConfig:
 
         if self.policy is not None and not isinstance(self.policy, PolicyConfig):
             object.__setattr__(self, "policy", PolicyConfig.from_mapping(self.policy, "policy"))
+        from splash_rollout.engine.layout_driver import DriverConfig
+
+        if self.driver is not None and not isinstance(self.driver, DriverConfig):
+            object.__setattr__(self, "driver", DriverConfig.from_mapping(self.driver, "driver"))
         from splash_rollout.engine.attention import available_backends
 
         if self.attention_backend not in available_backends():

@@ -24,6 +24,7 @@ from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
+from splash_rollout.engine.layout_driver import DriverConfig
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
@@ -218,7 +219,7 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
                           admission=AdmissionSettings(mode=config.admission), prefix_sharing=config.prefix_sharing,
                           return_routing=bool(getattr(config, "return_routing", False)),
-                          cpu_share=bool(getattr(config, "cpu_share", True)))
+                          cpu_share=bool(getattr(config, "cpu_share", True)), driver=config.driver or DriverConfig())
 
 
 def rank_device(config, rank: int) -> str:

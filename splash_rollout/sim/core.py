@@ -37,7 +37,7 @@ from splash_rollout.layout.fit import rank_demand
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, choose_owner, step_time
 from splash_rollout.scheduling.horizon import residual_tokens
 from splash_rollout.scheduling.phase import prefill_in_phase
-from splash_rollout.scheduling.policy import Waiting
+from splash_rollout.scheduling.admission_plan import Waiting
 
 ADAPTIVE = "adaptive"
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from splash_rollout.engine.layout_driver import LayoutDriver
+from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Decision, LayoutPolicy, PolicyConfig
 from splash_rollout.scheduling.decision_events import DecisionEvents
@@ -110,9 +110,9 @@ def _drive(driver, sched, layout, steps, finish_at=(), switch=True):
 
 
 def test_the_driver_consults_only_at_events():
-    policy = CountingPolicy(PolicyConfig(decide_every_steps=8, min_dwell_steps=1000, observe_every_steps=4))
+    policy = CountingPolicy(PolicyConfig(min_dwell_steps=1000))
     sched = _scheduler(_req(i) for i in range(8))
-    driver = LayoutDriver(policy)
+    driver = LayoutDriver(policy, config=DriverConfig(decide_every_steps=8, observe_every_steps=4))
     consulted, _ = _drive(driver, sched, Layout.DP, 40, finish_at=(11, 12))
     # the call's first boundary; the one after the stay's third measured step (its evidence may
     # end the dwell); every 8 steps; and the boundary after a quarter of the batch finished (two
@@ -139,10 +139,9 @@ def test_the_driver_consults_only_at_events():
 def test_a_deferred_switch_is_decided_again_and_logged_once():
     """The policy wants TP from the first boundary on and the engine defers every time: each boundary
     is a new decision (no blind retry), and the timeline keeps the one choice, not every retry."""
-    policy = CountingPolicy(PolicyConfig(decide_every_steps=1000, min_dwell_steps=0, observe_every_steps=4),
-                            want=Layout.TP)
+    policy = CountingPolicy(PolicyConfig(min_dwell_steps=0), want=Layout.TP)
     sched = _scheduler(_req(i) for i in range(4))
-    driver = LayoutDriver(policy)
+    driver = LayoutDriver(policy, config=DriverConfig(decide_every_steps=1000, observe_every_steps=4))
     consulted, layout = _drive(driver, sched, Layout.DP, 4, switch=False)
     assert consulted == [0, 1, 2, 3] and layout is Layout.DP
     assert [d["chosen"] for d in driver.decision_log] == ["tp"] and driver.pending == (Layout.TP, False)

@@ -165,7 +165,7 @@ def test_steps_of_one_signature_share_thetas_price():
     from splash_rollout.models.config import resolve_model
     from splash_rollout.rollout.config import EngineConfig
     from splash_rollout.rollout.ranks import make_policy
-    from splash_rollout.scheduling.policy import REPRICE_STEPS
+    from splash_rollout.scheduling.pricing import REPRICE_STEPS
 
     pol = make_policy(EngineConfig(**AUTO_ON_TWO), resolve_model("glm5-nano"), 2,
                       2**28, torch.float32)

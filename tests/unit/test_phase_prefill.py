@@ -9,7 +9,7 @@ from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Deployment, LayoutPolicy, PolicyConfig, StepBatch, step_time
 from splash_rollout.scheduling.phase import (Arrivals, PhasePrefill, held_at_runs, mid_prefill, owner_capped,
                                              owner_pieces, prefill_step)
-from splash_rollout.scheduling.policy import Waiting, admit
+from splash_rollout.scheduling.admission_plan import Waiting, admit
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,8 @@ def test_phase_price_is_now_steps_then_arrival_steps_then_decode(dep):
     waiting = Waiting.make([2048] * 9, [4096] * 9, 64 + 16_384, 65)
     phase = PhasePrefill(now_rows=2048, now_requests=1, later_rows=8 * 2048, later_requests=8)
     horizon = 40.0
-    priced = policy.admitted_costs(batch, hold, waiting)
-    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    priced = policy.pricer.admitted_costs(batch, hold, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
     decode = StepBatch.make(batch.context, 1, batch.owners)
     for layout, (cost, _, _) in priced.items():
         if not cost.feasible:
@@ -115,8 +115,8 @@ def test_a_run_behind_the_first_goes_to_a_layout_that_can_take_the_batch_back(de
     waiting = Waiting.make([2048] * 4 + [300_000], [4096] * 4 + [301_000], 64 + 16_384, 64)
     phase = PhasePrefill(now_rows=0, now_requests=0, later_rows=4 * 2048 + 300_000, later_requests=5)
     horizon = 200.0
-    priced = policy.admitted_costs(batch, hold, waiting)
-    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    priced = policy.pricer.admitted_costs(batch, hold, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
     decode = StepBatch.make(batch.context, 1, batch.owners)
     ones = np.ones(64, dtype=np.int64)
 
@@ -170,9 +170,9 @@ def test_a_layout_whose_pool_fills_past_the_others_prefills_the_run_itself(dep):
     capacity = {l: dep.pools[l] * (1 if l is Layout.TP else t) for l in Layout}
     assert capacity[Layout.CP] == capacity[Layout.DP] < 7_800_000 < capacity[Layout.DOP]
     horizon = 200.0
-    priced = policy.admitted_costs(batch, hold, waiting)
+    priced = policy.pricer.admitted_costs(batch, hold, waiting)
     assert not priced[Layout.TP][0].feasible
-    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
     decode = StepBatch.make(batch.context, 1, batch.owners)
     ones = np.ones(64, dtype=np.int64)
 
@@ -225,8 +225,8 @@ def test_a_long_prompt_behind_a_short_one_in_the_free_slots_runs_at_its_own_rate
     waiting = Waiting.make([2048, 160_000], [4096, 161_000], 64 + 16_384, 66)
     phase = PhasePrefill(now_rows=2048 + 160_000, now_requests=2)
     horizon = 200.0
-    priced = policy.admitted_costs(batch, hold, waiting)
-    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    priced = policy.pricer.admitted_costs(batch, hold, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
     decode = StepBatch.make(batch.context, 1, batch.owners)
     ones = np.ones(64, dtype=np.int64)
     for layout, (cost, _, _) in priced.items():
@@ -253,8 +253,8 @@ def test_a_long_prompt_prefills_on_its_owner_at_the_owners_share(dep):
     waiting = Waiting.make([160_000], [161_000], 64 + 16_384, 65)
     phase = PhasePrefill(now_rows=160_000, now_requests=1)
     horizon = 200.0
-    priced = policy.admitted_costs(batch, hold, waiting)
-    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
+    priced = policy.pricer.admitted_costs(batch, hold, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, phase, hold, waiting)
     decode = StepBatch.make(batch.context, 1, batch.owners)
     for layout, (cost, _, _) in priced.items():
         if not cost.feasible:
@@ -272,9 +272,9 @@ def test_a_long_prompt_prefills_on_its_owner_at_the_owners_share(dep):
 def test_an_int_still_means_every_row_starts_now(dep):
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
     batch = StepBatch.make([3000] * 63 + [8192], [1] * 63 + [8192], np.arange(64) % dep.world_size)
-    priced = policy.admitted_costs(batch)
-    as_int = policy.phase_seconds_per_token(priced, batch, 100.0, 8192 * 5)
-    as_phase = policy.phase_seconds_per_token(priced, batch, 100.0, PhasePrefill(now_rows=8192 * 5))
+    priced = policy.pricer.admitted_costs(batch)
+    as_int = policy.pricer.phase_seconds_per_token(priced, batch, 100.0, 8192 * 5)
+    as_phase = policy.pricer.phase_seconds_per_token(priced, batch, 100.0, PhasePrefill(now_rows=8192 * 5))
     assert as_int == as_phase
 
 
@@ -285,8 +285,8 @@ def test_one_row_prompts_are_prefill_rows_not_an_infinite_phase(dep):
     batch = StepBatch.make([64] * 6, 1, np.arange(6) % dep.world_size)
     waiting = Waiting.make([1, 1, 1], [65] * 3, 512, 256)
     phase = PhasePrefill(now_rows=3, now_requests=3)
-    priced = policy.admitted_costs(batch, batch.context, waiting)
-    got = policy.phase_seconds_per_token(priced, batch, 60.0, phase, batch.context, waiting)
+    priced = policy.pricer.admitted_costs(batch, batch.context, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, 60.0, phase, batch.context, waiting)
     assert all(np.isfinite(v) for v in got.values()), got
 
 
@@ -309,8 +309,8 @@ def test_a_pool_that_holds_more_of_the_queue_decodes_the_same_rows_in_wider_step
     waiting = Waiting.make([96] * n, [96 + 64] * n, 512, 256)
     phase = PhasePrefill(now_rows=96 * n, now_requests=n)
     horizon = 64.0
-    priced = policy.admitted_costs(batch, batch.context, waiting)
-    got = policy.phase_seconds_per_token(priced, batch, horizon, phase, batch.context, waiting)
+    priced = policy.pricer.admitted_costs(batch, batch.context, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, phase, batch.context, waiting)
     wide = {l: kept_decode(dep, l, batch, batch.context, waiting) for l in (Layout.DP, Layout.DOP)}
     assert 0 < wide[Layout.DP].size < wide[Layout.DOP].size < n  # both pools bind, DOP's holds more
     for layout, kept in wide.items():

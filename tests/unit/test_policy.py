@@ -122,7 +122,7 @@ def _capacity_policy():
 
 
 def test_capacity_that_changes_admission_leads_then_yields_as_the_batch_drains():
-    from splash_rollout.scheduling.policy import Waiting
+    from splash_rollout.scheduling.admission_plan import Waiting
 
     pol = _capacity_policy()
     pools = pol.dep.pools
@@ -147,7 +147,7 @@ def test_capacity_that_changes_admission_leads_then_yields_as_the_batch_drains()
 
 
 def test_admit_is_fifo_and_respects_the_pool_and_the_token_budget():
-    from splash_rollout.scheduling.policy import Waiting, admit
+    from splash_rollout.scheduling.admission_plan import Waiting, admit
 
     empty = StepBatch.make([], [], [])
     # pool of 256 tokens per rank, DP: owners alternate; the third 200-token request does not fit
@@ -215,7 +215,7 @@ def _admit_one_by_one(layout, batch, hold, waiting, pool, t, page):
 
 
 def test_vectorised_admission_equals_the_one_by_one_rule():
-    from splash_rollout.scheduling.policy import Waiting, admit
+    from splash_rollout.scheduling.admission_plan import Waiting, admit
 
     rng = np.random.default_rng(7)
     for _ in range(200):

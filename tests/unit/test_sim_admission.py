@@ -43,9 +43,9 @@ def test_requests_that_outgrow_the_pool_are_retracted_and_still_finish(dep):
 def test_phase_pricing_is_prefill_steps_then_decode_steps(dep):
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
     batch = StepBatch.make([3000] * 63 + [8192], [1] * 63 + [8192], np.arange(64) % dep.world_size)
-    priced = policy.admitted_costs(batch)
+    priced = policy.pricer.admitted_costs(batch)
     horizon, prefill_left = 100.0, 8192 * 5
-    got = policy.phase_seconds_per_token(priced, batch, horizon, prefill_left)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, prefill_left)
     decode = StepBatch.make(batch.context, np.ones(64, dtype=np.int64), batch.owners)
     for layout, (cost, step, _) in priced.items():
         n_pre = 5  # 40,960 rows at 8,192 a step
@@ -54,13 +54,13 @@ def test_phase_pricing_is_prefill_steps_then_decode_steps(dep):
         want = (n_pre * cost.seconds + (horizon - n_pre) * t_dec) / (prefill_left + horizon * 64)
         assert got[layout] == pytest.approx(want, rel=1e-12), layout
     # with nothing left to prefill the phase is the batch decoding
-    only = policy.phase_seconds_per_token(priced, batch, horizon, 0)
+    only = policy.pricer.phase_seconds_per_token(priced, batch, horizon, 0)
     assert only[Layout.TP] == pytest.approx(step_time(Layout.TP, decode, dep.model, dep.profile, dep.sizes).seconds / 64)
 
 
 def test_phase_prefill_rate_is_the_full_budget_step_not_this_steps_admission(dep):
     from splash_rollout.scheduling.phase import owner_capped
-    from splash_rollout.scheduling.policy import Waiting, admit
+    from splash_rollout.scheduling.admission_plan import Waiting, admit
 
     policy = LayoutPolicy(dep, PolicyConfig(price_phase=True))
     owners = np.arange(16) % dep.world_size
@@ -69,10 +69,10 @@ def test_phase_prefill_rate_is_the_full_budget_step_not_this_steps_admission(dep
     hold = batch.context
     # each queued request is expected to outgrow every pool: nothing is admitted now
     waiting = Waiting.make([2048] * 8, [1 << 40] * 8, 2048 * 4 + 15, 1024)
-    priced = policy.admitted_costs(batch, hold, waiting)
+    priced = policy.pricer.admitted_costs(batch, hold, waiting)
     assert all(a == 0 for _, _, a in priced.values())
     horizon, prefill_left = 50.0, 2048 * 8
-    got = policy.phase_seconds_per_token(priced, batch, horizon, prefill_left, hold, waiting)
+    got = policy.pricer.phase_seconds_per_token(priced, batch, horizon, prefill_left, hold, waiting)
     assert all(cost.feasible for cost, _, _ in priced.values())
     for layout, (cost, _, _) in priced.items():
         full, _, added = admit(layout, batch, hold, waiting, 1 << 62, dep.world_size, dep.page_size)

@@ -65,7 +65,8 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
                   attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
                   numerics=e.numerics, online_correction=bool(e.online_correction), profile=e.profile,
                   return_routing=bool(cfg.grpo.get("routing_replay", False)),  # the trainer replays it
-                  policy=OmegaConf.to_container(e.policy) if e.get("policy") is not None else None)
+                  policy=OmegaConf.to_container(e.policy) if e.policy is not None else None,
+                  driver=OmegaConf.to_container(e.driver) if e.driver is not None else None)
     if e.layout is not None:
         kwargs["layout"] = e.layout
     return RolloutEngine(EngineConfig(**kwargs))
