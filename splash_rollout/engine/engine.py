@@ -39,6 +39,7 @@ from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
+from splash_rollout.engine.drafter import SuffixDrafter
 from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
 from splash_rollout.engine.parallel_mlp import shard_feed_forward
@@ -110,6 +111,8 @@ class EngineSettings:
     """One CPU rank: each step computes with the cores other processes leave free (engine/cpu_share.py)."""
     driver: DriverConfig = DriverConfig()
     """When rank 0 consults the layout policy and feeds its correction."""
+    speculation: str = "off"
+    """``always``: decoding requests verify drafts (engine/drafter.py); ``off``: one token a step."""
 
     @property
     def initial_pages(self) -> int:
@@ -177,7 +180,8 @@ class Engine:
         self.scheduler = Scheduler(KVPlacement([num_pages] * t, settings.page_size, settings.layout),
                                    settings.max_num_batched_tokens, settings.max_num_seqs,
                                    ever_admits=self.can_ever_admit, admission=settings.admission,
-                                   prefix_sharing=settings.prefix_sharing)
+                                   prefix_sharing=settings.prefix_sharing,
+                                   drafter=SuffixDrafter() if settings.speculation == "always" else None)
         """This rank's replica: the same decisions on every rank."""
         self.block_table = BlockTable(settings.max_num_seqs, self.device)
         self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule, settings.driver)
@@ -359,15 +363,23 @@ class Engine:
     def _sample(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: one token per sampling chunk and per follower forked off it (the follower samples
         from its leader's last prompt row with its own seed). logits: [R, vocab] → tokens, logprobs [R']."""
-        params, rows = [], []
-        for row, seq in enumerate(s for s in scheduled if s.samples):
-            for r in (seq.request, *seq.forks):
-                params.append(r)
-                rows.append(row)
+        specs, draws, rows = [], [], []
+        row = 0
+        for seq in scheduled:
+            if seq.draft:  # each verified row draws as the token it would produce: draws n, n + 1, ...
+                n = seq.request.num_output_tokens
+                specs += [seq.request.spec] * seq.num_sampled
+                draws += range(n, n + seq.num_sampled)
+                rows += range(row, row + seq.num_sampled)
+            elif seq.samples:
+                for r in (seq.request, *seq.forks):
+                    specs.append(r.spec)
+                    draws.append(r.num_output_tokens)
+                    rows.append(row)
+            row += seq.num_sampled
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return sample(logits, SamplingBatch.make([r.spec for r in params], [r.num_output_tokens for r in params],
-                                                 logits.device))
+        return sample(logits, SamplingBatch.make(specs, draws, logits.device))
 
     def _batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         """This rank's ForwardBatch: O(B) Python plus tensor ops on the device."""
@@ -376,9 +388,9 @@ class Engine:
         widest = max(-(-(s.start + s.num_new) // self.page_size) for s in scheduled)
         ids: list[int] = []
         for s in scheduled:
-            ids += s.request.tokens_at(s.start, s.num_new)
+            ids += s.tokens()
         return ForwardBatch.from_rows(ids, [s.start for s in scheduled], [s.num_new for s in scheduled],
-                                      [s.samples for s in scheduled], [r.owner for r in reqs],
+                                      [s.num_sampled for s in scheduled], [r.owner for r in reqs],
                                       self.block_table.table[rows, :widest], self.page_size)
 
     @torch.inference_mode()

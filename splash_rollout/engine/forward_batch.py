@@ -207,8 +207,9 @@ class ForwardBatch:
                   samples: Sequence[bool], owners: Sequence[int], block_table: torch.Tensor,
                   page_size: int) -> "ForwardBatch":
         """input_ids: [N] the step's new tokens; starts / num_new / samples / owners: [B] per request
-        (first new position, rows, whether its last row samples, owner); block_table: [B, P] int64
-        on the engine's device, this rank's pages. Rows and slots are made with tensor ops."""
+        (first new position, rows, how many of its last rows sample -- 0 or 1, or 1 + k for a
+        drafted decode; a bool is 0 / 1 --, owner); block_table: [B, P] int64 on the engine's device,
+        this rank's pages. Rows and slots are made with tensor ops."""
         device = block_table.device
         b = len(num_new)
         counts = torch.tensor(num_new, dtype=torch.int64, device=device)
@@ -222,8 +223,12 @@ class ForwardBatch:
             out_slots = torch.where(page >= 0, page * page_size + positions % page_size, torch.full_like(page, -1))
         else:
             out_slots = positions
-        last = [i for i, s in enumerate(samples) if s]
-        sample_rows = (first_row + counts - 1)[torch.tensor(last, dtype=torch.int64, device=device)]
+        sampled = torch.tensor([int(s) for s in samples], dtype=torch.int64, device=device)  # [B]
+        ends = first_row + counts  # [B] one past each request's last row
+        back = torch.repeat_interleave(sampled, sampled)  # [R] the sampled rows of each request ...
+        offset = torch.arange(back.numel(), device=device) - torch.repeat_interleave(torch.cumsum(sampled, 0) - sampled,
+                                                                                     sampled)
+        sample_rows = torch.repeat_interleave(ends, sampled) - back + offset  # ... its last ones, in order
         return cls(torch.tensor(list(input_ids), dtype=torch.int64, device=device), positions, out_slots,
                    block_table, start_t + counts, row_seq, sample_rows, list(num_new), list(owners), page_size)
 

@@ -18,12 +18,20 @@ Memory, in three rules (every rank's replica applies them identically):
 * **Retraction.** When a step cannot get the pages its rows need, the youngest running requests
   give theirs back (tokens, logprobs and sampler draws kept) and wait at the queue head; re-admitted,
   they prefill what they had and continue with the draws they would have made.
+
+With a ``Drafter`` (speculative decoding, engine/drafter.py) a decoding request may run 1 + k rows:
+its last token and k drafted ones, every row sampled with the draw of the token it would produce
+(``ScheduledSeq.draft``). ``postprocess`` keeps the drafted tokens up to the first one the sampled
+token differs from, and that sampled token: exactly the tokens decoding one at a time would give.
+The pages of the drafted positions come from the request's own reservation (a draft never reaches
+past its cap); where a step's pages are short, drafts are dropped before anything is retracted.
+Pages of rejected positions stay with the request and take its next tokens.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -31,6 +39,9 @@ from splash_rollout.scheduling.admission import AdmissionSettings, GrowthEstimat
 from splash_rollout.engine.page_manager import num_pages_for
 from splash_rollout.engine.placement import KVPlacement, PageCopy
 from splash_rollout.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from splash_rollout.engine.drafter import Drafter
 from splash_rollout.layout.layouts import Layout
 
 
@@ -41,6 +52,8 @@ class ScheduledSeq:
     """Query rows this step."""
     forks: list[Request] = field(default_factory=list)
     """Followers that sample their first token from this (prompt-completing) chunk's last row."""
+    draft: tuple[int, ...] = ()
+    """Drafted tokens run after the request's last token (its last ``len(draft)`` rows), to verify."""
 
     @property
     def start(self) -> int:
@@ -49,7 +62,17 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens (so its last row is sampled)."""
-        return self.start + self.num_new == self.request.num_tokens
+        return self.start + self.num_new == self.request.num_tokens + len(self.draft)
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows sampled: the last one of a chunk that reaches the end, and every drafted one."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    def tokens(self) -> list[int]:
+        """The input ids of this step's rows."""
+        known = self.request.tokens_at(self.start, self.num_new - len(self.draft))
+        return known + list(self.draft) if self.draft else known
 
 
 class RequestQueue:
@@ -85,7 +108,8 @@ class RequestQueue:
 class Scheduler:
     def __init__(self, placement: KVPlacement, max_num_batched_tokens: int, max_num_seqs: int = 256,
                  ever_admits: Callable[[Request], bool] | None = None,
-                 admission: AdmissionSettings = AdmissionSettings(), prefix_sharing: bool = True) -> None:
+                 admission: AdmissionSettings = AdmissionSettings(), prefix_sharing: bool = True,
+                 drafter: "Drafter | None" = None) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -113,6 +137,12 @@ class Scheduler:
         """Tokens of KV this step's admissions and forks took from a sample of the same prompt."""
         self.prefix_sources: list[tuple[Request, Request, int]] = []
         """This step's (taker, sample it took from, tokens): what else follows the KV (routing records)."""
+        self.drafter = drafter
+        """Proposes tokens for decoding requests to verify (None: no speculation)."""
+        self.drafts: dict[Request, tuple[int, ...]] = {}
+        """This step's drafts, per decoding request."""
+        self.accepted = 0
+        """Drafted tokens this step's verification kept."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -168,6 +198,7 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         self.copies, self.retracted, self.prefix_hit_tokens, self.prefix_sources = [], [], 0, []
+        self.drafts, self.accepted = {}, 0
         self.estimate.stepped()
         plan = self._fit(self._running_rows())
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
@@ -195,7 +226,24 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, budget)
             plan.append((req, n))
             budget -= n
+        if self.drafter is not None:
+            plan = self._with_drafts(plan, budget)
         return plan
+
+    def _with_drafts(self, plan: list[tuple[Request, int]], budget: int) -> list[tuple[Request, int]]:
+        """The decode rows with the drafts of the requests the drafter has one for, within the step's
+        budget and each request's cap (the last drafted position stays below its reservation)."""
+        out = []
+        for req, n in plan:
+            if budget > 0 and n == 1 and not req.in_prefill and not req.forks:
+                room = min(budget, req.max_total_tokens - req.num_tokens - 1)
+                draft = self.drafter.propose(req, room) if room > 0 else ()
+                if draft:
+                    self.drafts[req] = draft
+                    n += len(draft)
+                    budget -= len(draft)
+            out.append((req, n))
+        return out
 
     def pressure(self) -> tuple[list[int], list[Request]]:
         """Before a step, without changing anything: [T] pages the running requests' rows would lack on
@@ -248,6 +296,10 @@ class Scheduler:
             need = self._step_need(plan)
             if all(n <= f for n, f in zip(need, self.placement.pages_free)):
                 return plan
+            if self.drafts:  # speculation never costs a retraction: drop the drafts first
+                plan = [(r, n - len(self.drafts.get(r, ()))) for r, n in plan]
+                self.drafts = {}
+                continue
             victims = [r for r in self.running if r.fork_of is None]
             if len(victims) <= 1:
                 raise RuntimeError(f"schedule: the step needs {need} KV pages per rank, "
@@ -289,7 +341,7 @@ class Scheduler:
         """Grow the page tables so positions [0, computed + n) have pages; a chunk that completes a
         leader's prompt forks its followers."""
         self.placement.grow(req, req.num_computed_tokens + n)
-        seq = ScheduledSeq(req, n)
+        seq = ScheduledSeq(req, n, draft=self.drafts.get(req, ()))
         if req.forks and req.num_computed_tokens + n == req.num_tokens:
             for f in req.forks:
                 self.copies += self.placement.fork(req, f, req.num_prompt_tokens)
@@ -373,6 +425,9 @@ class Scheduler:
         k = 0
         for s in scheduled:
             samples = s.samples
+            if s.draft:
+                k = self._verify(s, tokens, logprobs, k, finished)
+                continue
             s.request.num_computed_tokens += s.num_new
             if not samples:
                 continue
@@ -380,13 +435,42 @@ class Scheduler:
                 req.num_computed_tokens = s.request.num_computed_tokens
                 req.append_token(int(tokens[k]), float(logprobs[k]))
                 k += 1
+                if self.drafter is not None:
+                    self.drafter.observe(req, 0, 0)
                 if req.finish_reason is not None:
                     self.finish(req, req.finish_reason)
                     finished.append(req)
         return finished
 
+    def _verify(self, s: ScheduledSeq, tokens: torch.Tensor, logprobs: torch.Tensor, k: int,
+                finished: list[Request]) -> int:
+        """A drafted decode: tokens[k : k + 1 + len(draft)] are what each row sampled. Keep the sampled
+        tokens while each equals the draft it follows, and the first that differs (or the bonus one
+        after a fully accepted draft); the KV of the rows whose input was kept is valid. Returns the
+        next index into ``tokens``."""
+        req, draft = s.request, s.draft
+        start = req.num_computed_tokens
+        kept = accepted = 0
+        for j in range(len(draft) + 1):
+            token = int(tokens[k + j])
+            req.append_token(token, float(logprobs[k + j]))
+            kept += 1
+            matches = j < len(draft) and token == draft[j]
+            accepted += matches
+            if req.finish_reason is not None or not matches:
+                break
+        req.num_computed_tokens = start + kept  # the last token and the accepted drafts: their rows' KV
+        self.drafter.observe(req, len(draft), accepted)
+        self.accepted += accepted
+        if req.finish_reason is not None:
+            self.finish(req, req.finish_reason)
+            finished.append(req)
+        return k + len(draft) + 1
+
     def finish(self, req: Request, reason: str) -> None:
         """Retire a request: drop its page references."""
+        if self.drafter is not None:
+            self.drafter.finished(req)
         if req.status is RequestStatus.RUNNING:
             for f in list(req.forks):
                 self.finish(f, reason)

@@ -34,7 +34,10 @@ def step_record(step: int, layout: str, scheduled: list[ScheduledSeq], batch: Fo
     """One row of ``Engine.step_log`` (see its docstring)."""
     return {
         "step": step, "layout": layout, "requests": len(scheduled), "rows": batch.num_tokens,
-        "prefill_rows": sum(s.num_new for s in scheduled if s.request.num_output_tokens == 0 or s.num_new > 1),
+        "prefill_rows": sum(s.num_new for s in scheduled
+                            if not s.draft and (s.request.num_output_tokens == 0 or s.num_new > 1)),
+        "draft_tokens": sum(len(s.draft) for s in scheduled), "verified": sum(bool(s.draft) for s in scheduled),
+        "accepted_tokens": sched.accepted,
         "forks": sum(len(s.forks) for s in scheduled), "retracted": len(sched.retracted),
         "prefix_hit_tokens": sched.prefix_hit_tokens,
         "pages_used": sched.placement.pages_in_use, "pages_promised": sched.pages_promised(),

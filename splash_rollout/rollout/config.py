@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from splash_rollout.scheduling.policy import PolicyConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
+SPECULATION_MODES = ("off", "always")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class EngineConfig:
     every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
     prefix_sharing: bool = True
     """The samples of a prompt (``n`` > 1) share its KV pages and prefill it once."""
+    speculation: str = "off"
+    """Speculative decoding without a draft model (engine/drafter.py): ``always`` drafts the next
+    tokens of every decoding request from its prompt's other samples (live, and earlier calls') and
+    its own text, and verifies them in one step, keeping exactly the tokens decoding one at a time
+    gives (every row sampled with its own seeded draw); ``off`` (default) decodes one token a step."""
     cpu_share: bool = True
     """On CPU with one rank: each step uses only the cores other processes leave free (read from
     /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or
@@ -142,6 +148,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
+        if self.speculation != "off" and self.return_routing:
+            raise ValueError("speculation: not yet with return_routing (a verified row's routing is recorded "
+                             "for accepted tokens only in a later version); set speculation='off'")
         if not isinstance(self.online_correction, bool):
             raise ValueError(f"online_correction: expected True or False, got {self.online_correction!r}")
         if str(self.layout).lower() != "auto":

@@ -27,7 +27,7 @@ from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost,
                                           worker_update_weights, worker_wake_up)
 from splash_rollout.rollout.progress import progress_enabled
 from splash_rollout.rollout.streaming import ABORTED, FILTERED, KEPT, check_stream_args, make_group, serve_streaming
-from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics
+from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics, speculation_metrics
 from splash_rollout.rollout.validation import (check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams
@@ -328,6 +328,7 @@ class RolloutEngine:
                             "rollout/aborted_groups": float(len(aborted))})
         metrics.update(layout_metrics(timeline))
         metrics.update(memory_metrics(steps))
+        metrics.update(speculation_metrics(steps))
         return RolloutBatch(out, timeline, metrics, filtered=filtered, aborted=aborted)
 
     def switch_layout(self, dst: str, blocking: bool = False) -> None:

@@ -219,7 +219,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
                           admission=AdmissionSettings(mode=config.admission), prefix_sharing=config.prefix_sharing,
                           return_routing=bool(getattr(config, "return_routing", False)),
-                          cpu_share=bool(getattr(config, "cpu_share", True)), driver=config.driver or DriverConfig())
+                          cpu_share=bool(getattr(config, "cpu_share", True)), driver=config.driver or DriverConfig(),
+                          speculation=config.speculation)
 
 
 def rank_device(config, rank: int) -> str:

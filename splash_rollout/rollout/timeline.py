@@ -100,3 +100,14 @@ def memory_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
             "rollout/prefix_hit_tokens": float(sum(s.get("prefix_hit_tokens", 0) for s in steps)),
             "rollout/prefill_rows": float(sum(s.get("prefill_rows", 0) for s in steps)),
             "memory/kv_used_peak": float(max(used)), "memory/kv_used_mean": float(sum(used) / len(used))}
+
+
+def speculation_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """``spec/*`` of one call: drafted tokens verified, drafted tokens kept, tokens a verified row
+    yields (the kept drafts plus the token sampled after them, per verified row) and steps that
+    verified any draft."""
+    drafted, verified = sum(s.get("draft_tokens", 0) for s in steps), sum(s.get("verified", 0) for s in steps)
+    accepted = sum(s.get("accepted_tokens", 0) for s in steps)
+    return {"spec/draft_tokens": float(drafted), "spec/accepted_tokens": float(accepted),
+            "spec/acceptance_len": (accepted + verified) / verified if verified else 0.0,
+            "spec/steps_on": float(sum(s.get("draft_tokens", 0) > 0 for s in steps))}

@@ -1,0 +1,135 @@
+"""Speculative decoding changes how many steps a rollout takes, never what it writes: with
+``speculation="always"`` every sample's tokens (and, under reproducible numerics, logprobs) equal
+``"off"``'s -- greedy and seeded sampling, groups that share their prompt's KV, stop tokens, the
+context limit, a pool small enough to retract, multi-turn continuation -- and no page is held after
+a call. The drafter proposes what followed the longest match among the prompt's samples. The
+multi-rank layouts and live switches are in tests/distributed/test_speculation_ranks.py."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+from splash_rollout.engine.drafter import SuffixDrafter
+from splash_rollout.engine.request import Request, SamplingSpec
+from tests.unit.test_nothing_lost import assert_nothing_held
+
+MAX_LEN = 56
+
+
+def _engine(speculation: str) -> RolloutEngine:
+    # 40 pages of 4 tokens: a few requests at their cap fill it, so optimistic admission retracts
+    return RolloutEngine(EngineConfig(model="glm5-nano", speculation=speculation, numerics="reproducible",
+                                      num_pages=40, page_size=4, max_model_len=MAX_LEN, max_num_batched_tokens=64,
+                                      max_num_seqs=12))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with _engine("off") as off, _engine("always") as always:
+        yield off, always
+
+
+def _same(a, b) -> None:
+    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+    assert [s.response_logprobs for s in a.samples] == [s.response_logprobs for s in b.samples]
+    assert [s.finish_reason for s in a.samples] == [s.finish_reason for s in b.samples]
+
+
+sampling = st.sampled_from([dict(temperature=0.0), dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_p=0.9),
+                            dict(temperature=1.0, min_p=0.1)])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(prompts=st.lists(st.lists(st.integers(3, 9), min_size=2, max_size=24), min_size=1, max_size=3),
+       n=st.sampled_from([1, 4, 8]), kind=sampling, new=st.integers(1, 48), stop=st.sets(st.integers(3, 9), max_size=1),
+       seed=st.integers(0, 2**31))
+def test_always_writes_what_off_writes(engines, prompts, n, kind, new, stop, seed):
+    off, always = engines
+    params = SamplingParams(n=n, max_new_tokens=new, stop_token_ids=tuple(stop), ignore_eos=True, seed=seed, **kind)
+    a, b = off.generate(prompts, params), always.generate(prompts, params)
+    _same(a, b)
+    assert_nothing_held(off)
+    assert_nothing_held(always)
+
+
+def test_drafts_are_verified_and_cut_steps_on_a_repetitive_group(engines):
+    off, always = engines
+    prompts = [[5, 6, 7, 8] * 4]
+    params = SamplingParams(n=4, temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    a, b = off.generate(prompts, params), always.generate(prompts, params)
+    _same(a, b)
+    assert b.metrics["spec/accepted_tokens"] > 0 and b.metrics["spec/acceptance_len"] > 1.0
+    assert b.metrics["perf/steps"] < a.metrics["perf/steps"]
+    assert a.metrics["spec/draft_tokens"] == 0 and a.metrics["spec/steps_on"] == 0
+
+
+def test_multi_turn_continuation_is_the_same(engines):
+    off, always = engines
+    prompts = [[3, 4, 5] * 5, [7, 7, 8] * 4]
+    params = SamplingParams(n=2, temperature=1.0, top_k=3, max_new_tokens=10, ignore_eos=True, seed=11)
+    a, b = off.generate(prompts, params), always.generate(prompts, params)
+    _same(a, b)
+    replies = [[9, 9]] * len(a.samples)
+    more = SamplingParams(n=1, temperature=1.0, top_k=3, max_new_tokens=12, ignore_eos=True, seed=12)
+    _same(off.continue_samples(a.samples, replies, more), always.continue_samples(b.samples, replies, more))
+    assert_nothing_held(always)
+
+
+def _request(rid: int, prompt: list[int], output: list[int]) -> Request:
+    return Request(rid, list(prompt), SamplingSpec(max_new_tokens=64), 1024, output_ids=list(output),
+                   output_logprobs=[0.0] * len(output))
+
+
+def test_the_drafter_proposes_what_followed_the_longest_match():
+    drafter = SuffixDrafter(max_draft=4, max_ngram=3, tokens_per_match=2.0)
+    prompt = [1, 2, 3]
+    sibling = _request(0, prompt, [10, 11, 12, 13, 14, 15])
+    drafter.observe(sibling, 0, 0)
+    me = _request(1, prompt, [20, 11, 12])
+    # the longest suffix seen before is (11, 12) in the sibling: 2 tokens matched -> up to 4 drafted
+    assert drafter.propose(me, 8) == (13, 14, 15)
+    assert drafter.propose(me, 2) == (13, 14)
+    # the prompt's earlier responses stay after they finish
+    drafter.finished(sibling)
+    later = _request(2, prompt, [12, 13])
+    assert drafter.propose(later, 8) == (14, 15)
+    # another prompt's text is never proposed
+    assert drafter.propose(_request(3, [4, 5], [11, 12]), 8) == ()
+
+
+def test_a_rejected_draft_shortens_the_next():
+    drafter = SuffixDrafter(max_draft=8, max_ngram=2, tokens_per_match=4.0)
+    prompt = [1]
+    drafter.observe(_request(0, prompt, list(range(10, 30))), 0, 0)
+    me = _request(1, prompt, [10, 11])
+    assert len(drafter.propose(me, 16)) == 8
+    drafter.observe(me, 8, 0)  # none accepted: at most 2 * 0 + 1 next time
+    assert len(drafter.propose(me, 16)) == 1
+    drafter.observe(me, 1, 1)  # all accepted: doubles
+    assert len(drafter.propose(me, 16)) == 2
+    assert (drafter.stats.proposed, drafter.stats.accepted) == (9, 1)
+
+
+def test_the_history_of_a_prompt_is_bounded():
+    drafter = SuffixDrafter(max_ngram=1, history_per_prompt=2)
+    for rid in range(4):
+        r = _request(rid, [1], [100 + rid, 200 + rid])
+        drafter.observe(r, 0, 0)
+        drafter.finished(r)
+    index = drafter._prompts[(1,)]
+    assert sorted(index.sequences) == [2, 3] and index.history == [2, 3]
+    assert drafter.propose(_request(9, [1], [100]), 4) == ()  # dropped with its sequence
+    assert drafter.propose(_request(10, [1], [103]), 4) == (203,)
+
+
+def test_under_retraction_pressure_the_tokens_are_the_same(engines):
+    off, always = engines
+    prompts = [[4, 5, 6, 4, 5, 6], [7, 8, 7, 8, 7], [3, 9, 3, 9]]
+    params = SamplingParams(n=8, temperature=1.0, top_k=3, max_new_tokens=40, ignore_eos=True, seed=7)
+    a, b = off.generate(prompts, params), always.generate(prompts, params)
+    _same(a, b)
+    assert a.metrics["rollout/retractions"] > 0 and b.metrics["rollout/retractions"] > 0
+    assert b.metrics["spec/accepted_tokens"] > 0
+    assert_nothing_held(always)
