@@ -64,6 +64,7 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
                   max_model_len=e.max_model_len, device=cfg.hardware.device,
                   attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
                   numerics=e.numerics, online_correction=bool(e.online_correction), profile=e.profile,
+                  speculation=str(e.speculation),
                   return_routing=bool(cfg.grpo.get("routing_replay", False)),  # the trainer replays it
                   policy=OmegaConf.to_container(e.policy) if e.policy is not None else None,
                   driver=OmegaConf.to_container(e.driver) if e.driver is not None else None)

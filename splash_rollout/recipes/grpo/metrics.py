@@ -49,7 +49,8 @@ def step_metrics(batch: RolloutBatch, rewards: torch.Tensor, scored: Rewards,
     for r in ("stop", "length", "abort"):
         out[f"rollout/finish_reason/{r}"] = reasons.count(r) / len(reasons)
     out.update(layout_metrics(timeline))
-    out.update({k: v for k, v in batch.metrics.items() if k in ENGINE_MEMORY_KEYS or k.startswith("tool/")})
+    out.update({k: v for k, v in batch.metrics.items()
+                if k in ENGINE_MEMORY_KEYS or k.startswith(("tool/", "spec/"))})
     out.update(timings)
     return out
 

@@ -26,7 +26,7 @@ from splash_rollout.rollout.timeline import layout_metrics
 from splash_rollout.rollout.types import RolloutBatch, SamplingParams, Timeline
 
 SUMMED = ("rollout/retractions", "rollout/prefix_hit_tokens", "rollout/prefill_rows", "perf/steps",
-          "timing_s/generate", "rollout/aborted_samples")
+          "timing_s/generate", "rollout/aborted_samples", "spec/draft_tokens", "spec/accepted_tokens", "spec/steps_on")
 """Per-call counts a multi-turn batch adds up over its turns (maxima: ``MAXED``; the rest is turn 1's)."""
 MAXED = ("memory/kv_used_peak", "perf/max_running", "perf/control_bytes_max")
 

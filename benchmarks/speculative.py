@@ -1,0 +1,162 @@
+"""Speculative decoding on RL rollouts: the same calls with ``speculation`` off and on, side by side.
+
+The policy is the default recipe's after its SFT warm start and a few GRPO steps (trained here once,
+``--policy P`` reuses a ``policy.pt`` or ``sft_policy.pt``): drafts are only as good as the text the
+policy writes, and a random-init model writes noise. Two workloads on one engine rank:
+
+* ``long_tail``: the ``benchmarks/long_tail_rl.py`` rollout -- arithmetic chains whose length
+  follows a power law up to 32 steps, ``prompts`` x ``n`` samples, temperature 1, a 224-token
+  budget -- where a step starts wide and ends with a few long samples;
+* ``wide``: ``wide_prompts`` prompts x 1 sample of 16 tokens, nothing but a wide batch.
+
+Arms alternate call by call (off, on, off, on, ...) on two engines built once, ``--rounds`` each;
+every call gets fresh prompts (the same for both arms in a round), so the prompt history the
+drafter keeps across calls is what a GRPO run on fresh prompts would have. Per call: wall seconds,
+the tail's seconds (steps run with the batch at or below 1/8 of the call's peak; the step log's
+times), engine steps (target forward passes) per generated token, and the ``spec/*`` metrics.
+Tokens are checked equal between the arms (the same seeds: speculation must not change them).
+
+    python benchmarks/speculative.py --json docs/results/speculative.json
+    python benchmarks/speculative.py --quick --json /tmp/spec_quick.json   # smoke run, ~2 min
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FULL = dict(sft_steps=150, grpo_steps=3, prompts=8, n=8, max_new_tokens=224, max_chain=32, wide_prompts=64,
+            rounds=3)
+QUICK = dict(sft_steps=20, grpo_steps=1, prompts=4, n=4, max_new_tokens=48, max_chain=32, wide_prompts=16, rounds=2)
+TAIL_FRACTION = 0.125
+
+
+def train_policy(p: dict, work: str, threads: int) -> str:
+    """SFT plus ``grpo_steps`` GRPO steps of the default recipe on one rank; the last checkpoint's policy."""
+    run_dir = os.path.join(work, "train")
+    cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "logger=none", "engine.world_size=1",
+           f"hardware.threads={threads}", f"sft.steps={p['sft_steps']}", f"grpo.steps={p['grpo_steps']}",
+           f"trainer.save_every={p['grpo_steps']}", "eval.every=0", "grpo.prompts_per_step=8", "grpo.n=8",
+           f"hydra.run.dir={run_dir}"]
+    print(f"training the policy: {' '.join(cmd[2:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return os.path.join(run_dir, "checkpoints", f"step_{p['grpo_steps']:06d}", "policy.pt")  # after that many steps
+
+
+def tail_seconds(timeline: dict, fraction: float = TAIL_FRACTION) -> float:
+    """Seconds of the call spent with the running batch at or below ``fraction`` of its peak (from
+    the layout timeline's batch curve: (seconds since the call began, running requests) per step)."""
+    curve = [point for phase in timeline["phases"] for point in phase["batch_curve"]]
+    peak = max((b for _, b in curve), default=0)
+    return float(sum(t1 - t0 for (t0, b0), (t1, _) in zip(curve, curve[1:]) if b0 <= fraction * peak))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--policy", help="a policy.pt / sft_policy.pt to load instead of training one")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    p = dict(QUICK if args.quick else FULL)
+    if args.rounds:
+        p["rounds"] = args.rounds
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from splash_rollout.recipes.grpo.build import build_engine, max_prompt_len
+    from splash_rollout.recipes.grpo.task_data import build_task_data
+    from splash_rollout.models.tokenizer import load_tokenizer
+    from splash_rollout.rollout.types import SamplingParams
+    from splash_rollout.run import compose_config
+
+    work = tempfile.mkdtemp(prefix="spec_bench_")
+    policy_path = args.policy or train_policy(p, work, args.threads)
+    weights = torch.load(policy_path, map_location="cpu")
+    overrides = ["+recipe=grpo_glm5", "engine.world_size=1", "engine.memory_budget_gib=0.25", "engine.layout=tp",
+                 f"data.task.max_steps={p['max_chain']}", f"grpo.max_new_tokens={p['max_new_tokens']}", "eval.every=0"]
+    calls = p["rounds"] * (p["prompts"] + p["wide_prompts"])
+    cfg = compose_config(overrides + [f"data.eval_size=0", f"data.seed=1234"])
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=calls)
+    prompts = [e.prompt_ids for e in data.train]
+    engines = {}
+    for arm in ("off", "always"):
+        engines[arm] = build_engine(compose_config(overrides + [f"engine.speculation={arm}"]))
+        engines[arm].update_weights(weights, version=1)
+    stop = tuple(tokenizer.eos_token_ids)
+    workloads = {
+        "long_tail": (p["prompts"], SamplingParams(n=p["n"], temperature=1.0, max_new_tokens=p["max_new_tokens"],
+                                                   stop_token_ids=stop)),
+        "wide": (p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16, stop_token_ids=stop,
+                                                   ignore_eos=True))}
+    results: dict = {name: {"off": [], "always": []} for name in workloads}
+    cursor = 0
+    loads = []
+    for rnd in range(p["rounds"]):
+        for name, (count, params) in workloads.items():
+            batch_prompts = prompts[cursor: cursor + count]
+            cursor += count
+            tokens = {}
+            for arm in ("off", "always"):
+                eng = engines[arm]
+                params_r = SamplingParams(**{**params.__dict__, "seed": 1000 + rnd})
+                t0 = time.perf_counter()
+                batch = eng.generate(batch_prompts, params_r)
+                wall = time.perf_counter() - t0
+                steps = int(batch.metrics["perf/steps"])
+                generated = sum(len(s.response_ids) for s in batch.samples)
+                tokens[arm] = [s.response_ids for s in batch.samples]
+                results[name][arm].append({
+                    "wall_s": wall, "tail_s": tail_seconds(batch.timeline.to_dict()), "generated": generated,
+                    "tokens_per_s": generated / wall, "steps": steps, "forward_passes_per_token": steps / max(1, generated),
+                    **{k: v for k, v in batch.metrics.items() if k.startswith("spec/")}})
+                loads.append(os.getloadavg()[0])
+                r = results[name][arm][-1]
+                print(f"round {rnd} {name:9s} {arm:6s} {wall:7.2f} s (tail {r['tail_s']:.2f} s) "
+                      f"{r['tokens_per_s']:7.1f} tok/s, {r['steps']} steps, "
+                      f"acceptance_len {r.get('spec/acceptance_len', 0):.2f}", flush=True)
+            if tokens["off"] != tokens["always"]:
+                raise SystemExit(f"round {rnd} {name}: speculation changed the tokens")
+
+    def med(rows, key):
+        return float(np.median([r[key] for r in rows]))
+
+    summary = {}
+    for name, arms in results.items():
+        off, on = arms["off"], arms["always"]
+        summary[name] = {
+            "wall_ratio_off_over_on": med(off, "wall_s") / med(on, "wall_s"),
+            "tail_ratio_off_over_on": med(off, "tail_s") / max(med(on, "tail_s"), 1e-9),
+            "median_wall_s": {"off": med(off, "wall_s"), "always": med(on, "wall_s")},
+            "median_tail_s": {"off": med(off, "tail_s"), "always": med(on, "tail_s")},
+            "forward_passes_per_token": {"off": med(off, "forward_passes_per_token"),
+                                         "always": med(on, "forward_passes_per_token")},
+            "acceptance_len": med(on, "spec/acceptance_len"),
+            "accepted_per_drafted": (sum(r["spec/accepted_tokens"] for r in on)
+                                     / max(1.0, sum(r["spec/draft_tokens"] for r in on)))}
+    out = {"params": p, "policy": policy_path, "threads": args.threads, "load_1min": [min(loads), max(loads)],
+           "tokens_equal": True, "summary": summary, "rounds": results,
+           "command": "python benchmarks/speculative.py" + (" --quick" if args.quick else "")}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    for eng in engines.values():
+        eng.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
