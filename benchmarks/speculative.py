@@ -9,7 +9,8 @@ policy writes, and a random-init model writes noise. Two workloads on one engine
   budget -- where a step starts wide and ends with a few long samples;
 * ``wide``: ``wide_prompts`` prompts x 1 sample of 16 tokens, nothing but a wide batch.
 
-Arms alternate call by call (off, on, off, on, ...) on two engines built once, ``--rounds`` each;
+Arms (``off``, ``always``, ``auto``: the cost-model gate) alternate call by call on engines built
+once, ``--rounds`` each;
 every call gets fresh prompts (the same for both arms in a round), so the prompt history the
 drafter keeps across calls is what a GRPO run on fresh prompts would have. Per call: wall seconds,
 the tail's seconds (steps run with the batch at or below 1/8 of the call's peak; the step log's
@@ -33,7 +34,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FULL = dict(sft_steps=150, grpo_steps=3, prompts=8, n=8, max_new_tokens=224, max_chain=32, wide_prompts=64,
+FULL = dict(sft_steps=300, grpo_steps=3, prompts=8, n=8, max_new_tokens=224, max_chain=32, wide_prompts=64,
             rounds=3)
 QUICK = dict(sft_steps=20, grpo_steps=1, prompts=4, n=4, max_new_tokens=48, max_chain=32, wide_prompts=16, rounds=2)
 TAIL_FRACTION = 0.125
@@ -68,6 +69,7 @@ def main() -> int:
     ap.add_argument("--policy", help="a policy.pt / sft_policy.pt to load instead of training one")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--arms", default="off,always,auto", help="comma-separated; off is the reference")
     args = ap.parse_args()
     p = dict(QUICK if args.quick else FULL)
     if args.rounds:
@@ -92,8 +94,11 @@ def main() -> int:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=calls)
     prompts = [e.prompt_ids for e in data.train]
+    arms = args.arms.split(",")
+    if arms[0] != "off":
+        ap.error("--arms: the first arm must be off (the reference the others are checked against)")
     engines = {}
-    for arm in ("off", "always"):
+    for arm in arms:
         engines[arm] = build_engine(compose_config(overrides + [f"engine.speculation={arm}"]))
         engines[arm].update_weights(weights, version=1)
     stop = tuple(tokenizer.eos_token_ids)
@@ -102,7 +107,7 @@ def main() -> int:
                                                    stop_token_ids=stop)),
         "wide": (p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16, stop_token_ids=stop,
                                                    ignore_eos=True))}
-    results: dict = {name: {"off": [], "always": []} for name in workloads}
+    results: dict = {name: {arm: [] for arm in arms} for name in workloads}
     cursor = 0
     loads = []
     for rnd in range(p["rounds"]):
@@ -110,7 +115,7 @@ def main() -> int:
             batch_prompts = prompts[cursor: cursor + count]
             cursor += count
             tokens = {}
-            for arm in ("off", "always"):
+            for arm in arms:
                 eng = engines[arm]
                 params_r = SamplingParams(**{**params.__dict__, "seed": 1000 + rnd})
                 t0 = time.perf_counter()
@@ -128,25 +133,28 @@ def main() -> int:
                 print(f"round {rnd} {name:9s} {arm:6s} {wall:7.2f} s (tail {r['tail_s']:.2f} s) "
                       f"{r['tokens_per_s']:7.1f} tok/s, {r['steps']} steps, "
                       f"acceptance_len {r.get('spec/acceptance_len', 0):.2f}", flush=True)
-            if tokens["off"] != tokens["always"]:
-                raise SystemExit(f"round {rnd} {name}: speculation changed the tokens")
+            for arm in arms[1:]:
+                if tokens[arm] != tokens["off"]:
+                    raise SystemExit(f"round {rnd} {name}: speculation {arm} changed the tokens")
 
     def med(rows, key):
         return float(np.median([r[key] for r in rows]))
 
     summary = {}
-    for name, arms in results.items():
-        off, on = arms["off"], arms["always"]
-        summary[name] = {
-            "wall_ratio_off_over_on": med(off, "wall_s") / med(on, "wall_s"),
-            "tail_ratio_off_over_on": med(off, "tail_s") / max(med(on, "tail_s"), 1e-9),
-            "median_wall_s": {"off": med(off, "wall_s"), "always": med(on, "wall_s")},
-            "median_tail_s": {"off": med(off, "tail_s"), "always": med(on, "tail_s")},
-            "forward_passes_per_token": {"off": med(off, "forward_passes_per_token"),
-                                         "always": med(on, "forward_passes_per_token")},
-            "acceptance_len": med(on, "spec/acceptance_len"),
-            "accepted_per_drafted": (sum(r["spec/accepted_tokens"] for r in on)
-                                     / max(1.0, sum(r["spec/draft_tokens"] for r in on)))}
+    for name, by_arm in results.items():
+        off = by_arm["off"]
+        summary[name] = {"median_wall_s": {a: med(r, "wall_s") for a, r in by_arm.items()},
+                         "median_tail_s": {a: med(r, "tail_s") for a, r in by_arm.items()},
+                         "forward_passes_per_token": {a: med(r, "forward_passes_per_token") for a, r in by_arm.items()}}
+        for arm in arms[1:]:
+            on = by_arm[arm]
+            summary[name][arm] = {
+                "wall_ratio_off_over_arm": med(off, "wall_s") / med(on, "wall_s"),
+                "tail_ratio_off_over_arm": med(off, "tail_s") / max(med(on, "tail_s"), 1e-9),
+                "acceptance_len": med(on, "spec/acceptance_len"),
+                "accepted_per_drafted": (sum(r["spec/accepted_tokens"] for r in on)
+                                         / max(1.0, sum(r["spec/draft_tokens"] for r in on))),
+                "steps_on_share": sum(r["spec/steps_on"] for r in on) / max(1, sum(r["steps"] for r in on))}
     out = {"params": p, "policy": policy_path, "threads": args.threads, "load_1min": [min(loads), max(loads)],
            "tokens_equal": True, "summary": summary, "rounds": results,
            "command": "python benchmarks/speculative.py" + (" --quick" if args.quick else "")}

@@ -12,12 +12,18 @@ what followed the longest suffix of the sample's tokens that occurred before:
   costs only a rejected draft; the most recent occurrence of an n-gram wins, so fresher text leads;
 * the sample's own prompt and response so far.
 
+For each n-gram it keeps how often each token followed it. A draft is built a token at a time:
+the most frequent follower of the longest n-gram ending the text (drafted tokens included), while
+the product of their frequencies (the draft's estimated chance to be kept whole) stays at or above
+``min_confidence`` -- where the group's samples agree, drafts run long; where they diverge, none is
+proposed and no row is spent.
+
 Why an n-gram table and not a suffix tree: the matches that pay are short (a few tokens of context
 predict the next few), the index must grow by one token per sample per step at O(max_ngram) cost,
 and every rank's scheduler replica must build exactly the same one from the same tokens -- a dict
-of tuples is all three. The draft length follows the match length (``tokens_per_match`` per matched
-token) and the request's last verification (after a rejection, at most twice what was accepted plus
-one; after a full acceptance it doubles, up to ``max_draft``).
+of tuples is all three. The draft length also follows the match length (``tokens_per_match`` per
+matched token) and the request's last verification (after a rejection, at most twice what was
+accepted plus one; after a full acceptance it doubles, up to ``max_draft``).
 
 ``Drafter`` is the seam: a model draft (MTP heads) implements the same three calls.
 """
@@ -60,8 +66,8 @@ class _PromptIndex:
     """Sequence id (the request id while live) -> its tokens."""
     history: list[int] = field(default_factory=list)
     """Ids of finished sequences kept, oldest first."""
-    where: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
-    """n-gram -> (sequence id, position of the token that followed its latest occurrence)."""
+    followers: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
+    """n-gram -> {token that followed it: times}."""
 
 
 @dataclass
@@ -69,15 +75,24 @@ class DraftStats:
     """Totals since the engine started (the step log counts per step)."""
 
     proposed: int = 0
+    """Drafted tokens verified."""
     accepted: int = 0
+    """Of those, kept."""
+    rejections: int = 0
+    """Verifications that rejected a drafted token (the rest kept every one)."""
+    asked: int = 0
+    """``propose`` calls."""
+    drafted_requests: int = 0
+    """``propose`` calls that returned a draft."""
 
 
 class SuffixDrafter:
     def __init__(self, max_draft: int = 8, max_ngram: int = 4, tokens_per_match: float = 2.0,
-                 history_per_prompt: int = 64, max_prompts: int = 4096) -> None:
+                 min_confidence: float = 0.3, history_per_prompt: int = 64, max_prompts: int = 4096) -> None:
         if max_draft < 1 or max_ngram < 1:
             raise ValueError(f"SuffixDrafter: max_draft and max_ngram must be >= 1, got {max_draft}, {max_ngram}")
         self.max_draft, self.max_ngram, self.tokens_per_match = max_draft, max_ngram, tokens_per_match
+        self.min_confidence = min_confidence
         self.history_per_prompt, self.max_prompts = history_per_prompt, max_prompts
         self._prompts: OrderedDict[tuple[int, ...], _PromptIndex] = OrderedDict()
         self._cap: dict[int, int] = {}
@@ -89,29 +104,36 @@ class SuffixDrafter:
         limit = min(max_tokens, self._cap.get(request.request_id, self.max_draft))
         if limit <= 0:
             return ()
+        self.stats.asked += 1
         index, seq = self._sequence(request)
-        tokens = seq.tokens
-        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
-            hit = index.where.get(tuple(tokens[-n:]))
-            if hit is None:
-                continue
-            sid, pos = hit
-            source = index.sequences.get(sid)
-            if source is None:
-                continue
-            k = min(limit, max(1, int(self.tokens_per_match * n)))
-            draft = tuple(source.tokens[pos: pos + k])
-            if draft:
-                return draft
-        return ()
+        tokens, draft, chance, k = seq.tokens, [], 1.0, limit
+        while len(draft) < k:
+            text = tokens[-self.max_ngram:] + draft if draft else tokens
+            for n in range(min(self.max_ngram, len(text)), 0, -1):
+                followers = index.followers.get(tuple(text[-n:]))
+                if followers:
+                    break
+            else:
+                break
+            if not draft:  # the first match sets how far the draft may run
+                k = min(limit, max(1, int(self.tokens_per_match * n)))
+            token, times = max(followers.items(), key=lambda item: item[1])  # ties: the first seen
+            chance *= times / (sum(followers.values()) + 1)  # one unseen follower: a single sighting is 1/2
+            if chance < self.min_confidence:
+                break
+            draft.append(token)
+        if draft:
+            self.stats.drafted_requests += 1
+        return tuple(draft)
 
     def observe(self, request: Request, drafted: int, accepted: int) -> None:
         index, seq = self._sequence(request)
         seq.tokens.extend(request.output_ids[len(seq.tokens) - request.num_prompt_tokens:])
-        self._index(index, request.request_id, seq)
+        self._index(index, seq)
         if drafted:
             self.stats.proposed += drafted
             self.stats.accepted += accepted
+            self.stats.rejections += accepted < drafted
             self._cap[request.request_id] = (min(self.max_draft, 2 * drafted) if accepted == drafted
                                              else max(1, 2 * accepted + 1))
 
@@ -138,19 +160,21 @@ class SuffixDrafter:
         seq = index.sequences.get(request.request_id)
         if seq is None:
             seq = index.sequences[request.request_id] = _Sequence(list(request.token_ids), 0)
-            self._index(index, request.request_id, seq)
+            self._index(index, seq)
         return index, seq
 
-    def _index(self, index: _PromptIndex, sid: int, seq: _Sequence) -> None:
+    def _index(self, index: _PromptIndex, seq: _Sequence) -> None:
         """Enter the n-grams ending just before each token not yet indexed (its continuation is known)."""
-        tokens, where, top = seq.tokens, index.where, self.max_ngram
+        tokens, followers, top = seq.tokens, index.followers, self.max_ngram
         for pos in range(max(seq.indexed, 1), len(tokens)):
+            token = tokens[pos]
             for n in range(1, min(top, pos) + 1):
-                where[tuple(tokens[pos - n: pos])] = (sid, pos)
+                counts = followers.setdefault(tuple(tokens[pos - n: pos]), {})
+                counts[token] = counts.get(token, 0) + 1
         seq.indexed = len(tokens)
 
     def _reindex(self, index: _PromptIndex) -> None:
-        index.where.clear()
-        for sid, seq in index.sequences.items():
+        index.followers.clear()
+        for seq in index.sequences.values():
             seq.indexed = 0
-            self._index(index, sid, seq)
+            self._index(index, seq)

@@ -19,6 +19,7 @@ slice (``ProjectionShard``), its feed-forward shard, and the replicated rest.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,6 +41,8 @@ from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
 from splash_rollout.engine.drafter import SuffixDrafter
+from splash_rollout.engine.speculation_gate import SpeculationGate
+from splash_rollout.scheduling.cost_model import StepBatch
 from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
 from splash_rollout.engine.parallel_mlp import shard_feed_forward
@@ -112,7 +115,8 @@ class EngineSettings:
     driver: DriverConfig = DriverConfig()
     """When rank 0 consults the layout policy and feeds its correction."""
     speculation: str = "off"
-    """``always``: decoding requests verify drafts (engine/drafter.py); ``off``: one token a step."""
+    """``always``: decoding requests verify drafts (engine/drafter.py); ``auto``: when rank 0's gate
+    prices them faster (engine/speculation_gate.py); ``off``: one token a step."""
 
     @property
     def initial_pages(self) -> int:
@@ -148,10 +152,11 @@ class _Step:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, groups: ProcessGroups,
-                 settings: EngineSettings = EngineSettings(), *, policy=None,
+                 settings: EngineSettings = EngineSettings(), *, policy=None, price_step=None,
                  heartbeat: Callable[[dict], None] | None = None,
                  should_abort: Callable[[], bool] | None = None) -> None:
-        """policy: a scheduling.LayoutPolicy on rank 0 (layout="auto"); heartbeat: called on every
+        """policy: a scheduling.LayoutPolicy on rank 0 (layout="auto"); price_step: on rank 0 with
+        ``speculation="auto"``, (layout, StepBatch) -> predicted seconds; heartbeat: called on every
         rank after each step with {step, finished} (a spawned rank's sign of life); should_abort:
         polled by rank 0 at each step boundary -- when true every unfinished request of the call is
         aborted (finish_reason ``abort``, pages freed) and ``serve`` returns normally."""
@@ -181,7 +186,11 @@ class Engine:
                                    settings.max_num_batched_tokens, settings.max_num_seqs,
                                    ever_admits=self.can_ever_admit, admission=settings.admission,
                                    prefix_sharing=settings.prefix_sharing,
-                                   drafter=SuffixDrafter() if settings.speculation == "always" else None)
+                                   drafter=SuffixDrafter() if settings.speculation != "off" else None)
+        self.gate = (SpeculationGate(lambda step: price_step(self.layout, step), self.scheduler.drafter.stats)
+                     if settings.speculation == "auto" and rank == 0 and price_step is not None else None)
+        """Rank 0 under ``speculation="auto"``: the draft cap of each step."""
+        self._speculation_note: dict | None = None
         """This rank's replica: the same decisions on every rank."""
         self.block_table = BlockTable(settings.max_num_seqs, self.device)
         self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule, settings.driver)
@@ -266,6 +275,7 @@ class Engine:
                     if control.abort:
                         finished.extend(self.abort_all())
                     break
+                self.scheduler.draft_cap = control.draft_cap
                 mid_step = True
                 with self.cpu_share.step():
                     prev = self._step(control.switch, nbytes, time.perf_counter() - t0)
@@ -301,7 +311,30 @@ class Engine:
             return StepControl(tokens, rows, stop=True, abort=True)
         if not self.scheduler.has_unfinished or (max_steps is not None and steps >= max_steps):
             return StepControl(tokens, rows, stop=True)
-        return StepControl(tokens, rows, self.driver.at_boundary(self.layout, self.num_steps, self.scheduler))
+        return StepControl(tokens, rows, self.driver.at_boundary(self.layout, self.num_steps, self.scheduler),
+                           draft_cap=self._draft_cap())
+
+    def _draft_cap(self) -> int:
+        """Rank 0: how many tokens each decoding request may draft next step."""
+        drafter = self.scheduler.drafter
+        if drafter is None:
+            return 0
+        if self.gate is None:
+            return drafter.max_draft
+        s = self.scheduler
+        decoding = [r for r in s.running if r.fork_of is None and not r.in_prefill]
+        budget = max(0, s.max_num_batched_tokens - len(decoding))
+        prefill = 0  # the prompt rows the step will run besides: running prefills, then the queue's head
+        for r in itertools.chain((r for r in s.running if r.fork_of is None and r.in_prefill), s.waiting):
+            if prefill >= budget:
+                break
+            prefill += r.num_uncomputed_tokens
+        context = np.fromiter((r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
+        logged = len(self.gate.log)
+        cap = self.gate.choose(self.num_steps, context, min(prefill, budget)).cap
+        if len(self.gate.log) > logged:
+            self._speculation_note = self.gate.log[-1]
+        return cap
 
     def _apply_tokens(self, prev: _Step, control: StepControl) -> None:
         """A non-driver rank: finish its previous step with the tokens rank 0 sampled."""
@@ -356,9 +389,16 @@ class Engine:
             return
         self.step_log.append(step_record(self.num_steps - 1, self.layout.value, scheduled, batch, self.scheduler,
                                          clock, control_bytes, self.cpu_share.current, self.driver.take_policy_s()))
+        if self._speculation_note is not None:  # the gate changed the draft cap before this step
+            self.step_log[-1]["speculation"], self._speculation_note = self._speculation_note, None
         self.driver.observe_step(self.step_log[-1], scheduled)
         if switched:
             self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
+        elif self.gate is not None and self.step_log[-1]["prefill_rows"] == 0:  # a decode step: what drafts cost
+            rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
+            context = np.fromiter((s.start + s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
+            self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)), self.step_log[-1]["seconds"],
+                              drafted=self.step_log[-1]["draft_tokens"] > 0)
 
     def _sample(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: one token per sampling chunk and per follower forked off it (the follower samples

@@ -143,6 +143,8 @@ class Scheduler:
         """This step's drafts, per decoding request."""
         self.accepted = 0
         """Drafted tokens this step's verification kept."""
+        self.draft_cap = 0
+        """Most drafted tokens per request this step (set before each step from the driver's control)."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -226,7 +228,7 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, budget)
             plan.append((req, n))
             budget -= n
-        if self.drafter is not None:
+        if self.drafter is not None and self.draft_cap > 0:
             plan = self._with_drafts(plan, budget)
         return plan
 
@@ -236,7 +238,7 @@ class Scheduler:
         out = []
         for req, n in plan:
             if budget > 0 and n == 1 and not req.in_prefill and not req.forks:
-                room = min(budget, req.max_total_tokens - req.num_tokens - 1)
+                room = min(budget, self.draft_cap, req.max_total_tokens - req.num_tokens - 1)
                 draft = self.drafter.propose(req, room) if room > 0 else ()
                 if draft:
                     self.drafts[req] = draft

@@ -34,6 +34,8 @@ class StepControl:
     """With ``stop``: every unfinished request of the call is aborted (``finish_reason`` abort)."""
     failed: str | None = None
     """With ``stop``: the driver failed between steps; every rank raises with this reason."""
+    draft_cap: int = 0
+    """Most drafted tokens a decoding request verifies this step (0: none; engine/speculation_gate.py)."""
 
 
 def exchange(comm: Comm, control: StepControl | None) -> tuple[StepControl, int]:

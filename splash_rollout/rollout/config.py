@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from splash_rollout.scheduling.policy import PolicyConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
-SPECULATION_MODES = ("off", "always")
+SPECULATION_MODES = ("off", "always", "auto")
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,9 @@ class EngineConfig:
     """Speculative decoding without a draft model (engine/drafter.py): ``always`` drafts the next
     tokens of every decoding request from its prompt's other samples (live, and earlier calls') and
     its own text, and verifies them in one step, keeping exactly the tokens decoding one at a time
-    gives (every row sampled with its own seeded draw); ``off`` (default) decodes one token a step."""
+    gives (every row sampled with its own seeded draw); ``auto`` drafts on the steps where the cost
+    model, with the measured acceptance, predicts more tokens per second (as the batch drains);
+    ``off`` (default) decodes one token a step."""
     cpu_share: bool = True
     """On CPU with one rank: each step uses only the cores other processes leave free (read from
     /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or

@@ -241,12 +241,15 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
     model_config = resolve_model(config.model)
     settings = engine_settings(config, model_config, groups.world_size)
     settings = dataclasses.replace(settings, device=rank_device(config, groups.rank))
-    policy = None
+    policy, price_step = None, None
+    budget = int(config.memory_budget_gib * 2**30)
     if str(config.layout).lower() == "auto" and groups.rank == 0 and groups.world_size > 1:
-        budget = int(config.memory_budget_gib * 2**30)
         policy = make_policy(config, model_config, groups.world_size, budget, settings.dtype)
+    if config.speculation == "auto" and groups.rank == 0:  # the speculation gate prices with the same θ
+        pricing = policy or make_policy(config, model_config, groups.world_size, budget, settings.dtype)
+        price_step = lambda layout, step: pricing.pricer.price(layout, step).seconds  # noqa: E731
     return Engine(load_model(config, model_config), model_config, groups, settings, policy=policy,
-                  heartbeat=heartbeat, should_abort=should_abort)
+                  price_step=price_step, heartbeat=heartbeat, should_abort=should_abort)
 
 
 def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes: int, dtype: torch.dtype):

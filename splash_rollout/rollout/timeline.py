@@ -74,7 +74,9 @@ def build_timeline(steps: list[dict[str, Any]], switches: list[dict[str, Any]],
         if rec["deferred_reason"] is not None:
             rec.update(bytes_sent=None, bytes_received=None, overhead_ms=None, blocking_estimate_ms=None)
         records.append(rec)
-    return Timeline(phases=phases_from_steps(steps), switches=records, decisions=list(decisions))
+    speculation = [{"step": s["step"], **s["speculation"]} for s in steps if s.get("speculation")]
+    return Timeline(phases=phases_from_steps(steps), switches=records, decisions=list(decisions),
+                    speculation=speculation)
 
 
 def layout_metrics(timeline: Timeline) -> dict[str, float]:

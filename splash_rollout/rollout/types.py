@@ -141,6 +141,8 @@ class Timeline:
     seconds per token, admissions, batch_size, priced_batch). Kept: the first call (``logged="initial"``),
     every switch (``"switch"``) and a checkpoint whenever the priced batch has halved since the last
     kept one (``"drained"``), so a draining group shows why the policy stayed where it was."""
+    speculation: list[dict[str, Any]] = field(default_factory=list)
+    """``speculation="auto"``: each change of the draft cap (step, cap, reason, predicted tokens/s per cap)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

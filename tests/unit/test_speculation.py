@@ -83,7 +83,7 @@ def _request(rid: int, prompt: list[int], output: list[int]) -> Request:
 
 
 def test_the_drafter_proposes_what_followed_the_longest_match():
-    drafter = SuffixDrafter(max_draft=4, max_ngram=3, tokens_per_match=2.0)
+    drafter = SuffixDrafter(max_draft=4, max_ngram=3, tokens_per_match=2.0, min_confidence=0.0)
     prompt = [1, 2, 3]
     sibling = _request(0, prompt, [10, 11, 12, 13, 14, 15])
     drafter.observe(sibling, 0, 0)
@@ -99,8 +99,23 @@ def test_the_drafter_proposes_what_followed_the_longest_match():
     assert drafter.propose(_request(3, [4, 5], [11, 12]), 8) == ()
 
 
+def test_drafts_run_as_long_as_the_samples_agree():
+    drafter = SuffixDrafter(max_draft=8, max_ngram=2, tokens_per_match=4.0, min_confidence=0.3)
+    prompt = [1]
+    drafter.observe(_request(0, prompt, [10, 11, 12, 13, 14]), 0, 0)
+    me = _request(9, prompt, [10])
+    # one sighting of each continuation: 1/2 each, and 1/2 x 1/2 < 0.3 -- one token
+    assert drafter.propose(me, 8) == (11,)
+    for rid in (1, 2, 3):  # three more samples wrote the same: 4/5 per token, 0.8^5 = 0.33 >= 0.3
+        drafter.observe(_request(rid, prompt, [10, 11, 12, 13, 14, 15]), 0, 0)
+    assert drafter.propose(me, 8) == (11, 12, 13, 14, 15)
+    # where they diverge the draft stops before the fork
+    drafter.observe(_request(4, prompt, [10, 11, 99]), 0, 0)
+    assert drafter.propose(me, 8)[:1] == (11,)
+
+
 def test_a_rejected_draft_shortens_the_next():
-    drafter = SuffixDrafter(max_draft=8, max_ngram=2, tokens_per_match=4.0)
+    drafter = SuffixDrafter(max_draft=8, max_ngram=2, tokens_per_match=4.0, min_confidence=0.0)
     prompt = [1]
     drafter.observe(_request(0, prompt, list(range(10, 30))), 0, 0)
     me = _request(1, prompt, [10, 11])
@@ -113,7 +128,7 @@ def test_a_rejected_draft_shortens_the_next():
 
 
 def test_the_history_of_a_prompt_is_bounded():
-    drafter = SuffixDrafter(max_ngram=1, history_per_prompt=2)
+    drafter = SuffixDrafter(max_ngram=1, history_per_prompt=2, min_confidence=0.0)
     for rid in range(4):
         r = _request(rid, [1], [100 + rid, 200 + rid])
         drafter.observe(r, 0, 0)

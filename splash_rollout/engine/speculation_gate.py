@@ -1,0 +1,119 @@
+"""When to speculate (``speculation="auto"``): rank 0 prices each step with and without drafts.
+
+A drafted decode row costs a query row; what it buys is the tokens verification keeps. With α the
+measured probability that a drafted token is kept given the ones before it were (kept drafts over
+kept drafts plus rejections, from the drafter's own record, starting from ``prior_alpha`` with the
+weight of ``prior_weight`` drafts) and f the share of decoding requests the drafter had a draft
+for, a cap of k drafts per request yields per decoding request
+
+    1 + f * (α + α² + ... + α^k)          tokens a step, for
+    t(B decode rows + f·B·k drafted rows)  seconds (the cost model, in the current layout),
+
+against 1 token for t(B rows). The gate takes the cap (0, 1, 2, 4, ... up to ``max_draft``) with the
+most tokens per second. θ prices rows, not what a drafted step adds around them (proposing,
+verifying, sampling more rows; on a CPU, products that leave the few-row kernels), so the gate
+also measures: for the steps it sees (``observe``), the ratio of measured to predicted seconds,
+apart for steps with and without drafts (exponential averages, starting at 1); a drafted step's
+price is scaled by how much more than θ drafted steps have cost than plain ones. Where the batch is wide, a row costs about what a token is worth and the
+answer is 0; as it drains a step's fixed cost dominates, extra rows are nearly free and drafts pay.
+The cap is decided on rank 0 and sent to every rank in the step's control message, so every
+scheduler replica drafts alike. A change of cap is logged with its reason (``log``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from splash_rollout.engine.drafter import DraftStats
+from splash_rollout.scheduling.cost_model import StepBatch
+
+
+@dataclass(frozen=True)
+class GateChoice:
+    cap: int
+    """Most drafted tokens per request this step (0: no speculation)."""
+    reason: str
+    tokens_per_s: dict[int, float]
+    """Predicted tokens per second per cap considered."""
+
+
+class SpeculationGate:
+    def __init__(self, price: Callable[[StepBatch], float], stats: DraftStats, max_draft: int = 8,
+                 prior_alpha: float = 0.5, prior_weight: float = 16.0, reprice_steps: int = 8) -> None:
+        """price: predicted seconds of a step batch in the current layout (the cost model, corrected
+        online where the engine has a correction); stats: the drafter's running record."""
+        self.price, self.stats, self.max_draft = price, stats, max_draft
+        self.prior_alpha, self.prior_weight, self.reprice_steps = prior_alpha, prior_weight, reprice_steps
+        self.caps = tuple(sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft),
+                                  max_draft}))
+        self.measured = {True: 1.0, False: 1.0}
+        """Measured / predicted seconds of recent steps, with drafts (True) and without."""
+        self.observed = {True: 0, False: 0}
+        self.log: list[dict] = []
+        """Each change of cap: {step, cap, reason, tokens_per_s}."""
+        self._last: tuple | None = None
+        self._choice = GateChoice(0, "no step yet", {})
+
+    def alpha(self) -> float:
+        """Probability a drafted token is kept after the ones before it were (prior-weighted)."""
+        s = self.stats
+        kept, tried = s.accepted, s.accepted + s.rejections
+        return (kept + self.prior_alpha * self.prior_weight) / (tried + self.prior_weight)
+
+    def hit_rate(self) -> float:
+        """Share of the requests asked that had a draft (prior 1/2 with two asks' weight)."""
+        s = self.stats
+        return (s.drafted_requests + 1.0) / (s.asked + 2.0)
+
+    def observe(self, step: StepBatch, seconds: float, drafted: bool, weight: float = 0.2) -> None:
+        """A step that ran (its rows per request, context) and took ``seconds``."""
+        predicted = self.price(step)
+        if predicted > 0 and seconds > 0:
+            self.measured[drafted] += weight * (seconds / predicted - self.measured[drafted])
+            self.observed[drafted] += 1
+
+    def draft_overhead(self) -> float:
+        """How much more than θ a drafted step costs, relative to a plain one (1 until both were seen)."""
+        if not (self.observed[True] and self.observed[False]):
+            return 1.0
+        return self.measured[True] / self.measured[False]
+
+    def choose(self, step: int, context: np.ndarray, prefill_rows: int = 0) -> GateChoice:
+        """The cap for a step whose decoding requests have ``context`` ([B] int64) tokens, next to
+        ``prefill_rows`` rows of prompt chunks."""
+        b = int(context.size)
+        key = (b, prefill_rows)
+        if self._last is not None and self._last[0] == key and step - self._last[1] < self.reprice_steps:
+            return self._choice
+        if b == 0:
+            choice = GateChoice(0, "no decoding request", {})
+        else:
+            choice = self._priced(context, prefill_rows)
+        if choice.cap != self._choice.cap or not self.log:
+            self.log.append({"step": step, "cap": choice.cap, "reason": choice.reason,
+                             "tokens_per_s": {str(k): v for k, v in choice.tokens_per_s.items()}})
+        self._last, self._choice = (key, step), choice
+        return choice
+
+    def _priced(self, context: np.ndarray, prefill_rows: int) -> GateChoice:
+        b, alpha, f = int(context.size), self.alpha(), self.hit_rate()
+        drafted = max(1, int(round(f * b)))  # requests that get a draft
+        owners = np.zeros(b + (1 if prefill_rows else 0), dtype=np.int64)
+        rates = {}
+        for cap in self.caps:
+            rows = np.ones(b, dtype=np.int64)
+            if cap:
+                rows[:drafted] += cap
+            ctx = context + rows - 1  # a decode row's context is the request's tokens, drafts added
+            if prefill_rows:
+                rows, ctx = np.append(rows, prefill_rows), np.append(ctx, prefill_rows)
+            seconds = self.price(StepBatch.make(ctx, rows, owners)) * (self.draft_overhead() if cap else 1.0)
+            gain = sum(alpha ** i for i in range(1, cap + 1))
+            rates[cap] = (b + drafted * gain) / seconds if seconds > 0 else 0.0
+        best = max(self.caps, key=lambda c: (rates[c], -c))
+        why = (f"{b} decoding, alpha {alpha:.2f}, draft hit rate {f:.2f}, drafted steps at "
+               f"{self.draft_overhead():.2f}x θ's relative price: cap {best} predicts "
+               f"{rates[best]:.0f} tok/s vs {rates[0]:.0f} without")
+        return GateChoice(best, why, rates)
