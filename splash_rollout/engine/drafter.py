@@ -67,7 +67,10 @@ class _PromptIndex:
     history: list[int] = field(default_factory=list)
     """Ids of finished sequences kept, oldest first."""
     followers: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
-    """n-gram -> {token that followed it: times}."""
+    """n-gram -> {token that followed it: times}. The prompt's own n-grams are counted once, not
+    once per sample."""
+    prompt: list[int] | None = None
+    """The prompt, once its n-grams are counted."""
 
 
 @dataclass
@@ -159,7 +162,10 @@ class SuffixDrafter:
             self._prompts.move_to_end(key)
         seq = index.sequences.get(request.request_id)
         if seq is None:
-            seq = index.sequences[request.request_id] = _Sequence(list(request.token_ids), 0)
+            if index.prompt is None:
+                index.prompt = list(request.prompt_ids)
+                self._index(index, _Sequence(index.prompt, 0))
+            seq = index.sequences[request.request_id] = _Sequence(list(request.token_ids), request.num_prompt_tokens)
             self._index(index, seq)
         return index, seq
 
@@ -175,6 +181,7 @@ class SuffixDrafter:
 
     def _reindex(self, index: _PromptIndex) -> None:
         index.followers.clear()
+        self._index(index, _Sequence(index.prompt, 0))
         for seq in index.sequences.values():
-            seq.indexed = 0
+            seq.indexed = len(index.prompt)
             self._index(index, seq)

@@ -14,7 +14,9 @@ most tokens per second. θ prices rows, not what a drafted step adds around them
 verifying, sampling more rows; on a CPU, products that leave the few-row kernels), so the gate
 also measures: for the steps it sees (``observe``), the ratio of measured to predicted seconds,
 apart for steps with and without drafts (exponential averages, starting at 1); a drafted step's
-price is scaled by how much more than θ drafted steps have cost than plain ones. Where the batch is wide, a row costs about what a token is worth and the
+price is scaled by how much more than θ drafted steps have cost than plain ones. Until each kind has
+been measured ``min_observed`` times, one step in ``explore_every`` runs the kind the gate did not
+choose (the tokens are the same either way; only time is at stake). Where the batch is wide, a row costs about what a token is worth and the
 answer is 0; as it drains a step's fixed cost dominates, extra rows are nearly free and drafts pay.
 The cap is decided on rank 0 and sent to every rank in the step's control message, so every
 scheduler replica drafts alike. A change of cap is logged with its reason (``log``).
@@ -41,11 +43,14 @@ class GateChoice:
 
 class SpeculationGate:
     def __init__(self, price: Callable[[StepBatch], float], stats: DraftStats, max_draft: int = 8,
-                 prior_alpha: float = 0.5, prior_weight: float = 16.0, reprice_steps: int = 8) -> None:
+                 prior_alpha: float = 0.5, prior_weight: float = 16.0, reprice_steps: int = 8,
+                 min_observed: int = 4, explore_every: int = 4) -> None:
         """price: predicted seconds of a step batch in the current layout (the cost model, corrected
         online where the engine has a correction); stats: the drafter's running record."""
         self.price, self.stats, self.max_draft = price, stats, max_draft
         self.prior_alpha, self.prior_weight, self.reprice_steps = prior_alpha, prior_weight, reprice_steps
+        self.min_observed, self.explore_every = min_observed, explore_every
+        self._explored_at = -explore_every
         self.caps = tuple(sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft),
                                   max_draft}))
         self.measured = {True: 1.0, False: 1.0}
@@ -83,6 +88,15 @@ class SpeculationGate:
     def choose(self, step: int, context: np.ndarray, prefill_rows: int = 0) -> GateChoice:
         """The cap for a step whose decoding requests have ``context`` ([B] int64) tokens, next to
         ``prefill_rows`` rows of prompt chunks."""
+        choice = self._decided(step, context, prefill_rows)
+        other = 0 if choice.cap else min(2, self.max_draft)
+        if (context.size and not prefill_rows and self.observed[bool(other)] < self.min_observed
+                and step - self._explored_at >= self.explore_every):
+            self._explored_at = step  # measure the kind not chosen: what the correction needs
+            return GateChoice(other, f"measuring a {'drafted' if other else 'plain'} step", choice.tokens_per_s)
+        return choice
+
+    def _decided(self, step: int, context: np.ndarray, prefill_rows: int) -> GateChoice:
         b = int(context.size)
         key = (b, prefill_rows)
         if self._last is not None and self._last[0] == key and step - self._last[1] < self.reprice_steps:

@@ -74,7 +74,8 @@ def write_timeline_json(path: str, timelines: Sequence[tuple[int, dict[str, Any]
 
 def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) -> str:
     """Layouts as coloured bands over rollout time (calls laid end to end), batch size (left axis) and
-    tokens/s (right axis) per phase, switches as dashed lines (red: to relieve memory pressure); below,
+    tokens/s (right axis) per phase, switches as dashed lines (red: to relieve memory pressure), the
+    steps that verified drafted tokens (speculative decoding) as a hatched strip along the top; below,
     on the same bands, the busiest rank's KV pool in use and in use plus expected growth. Writes a
     PNG; returns ``path``."""
     import matplotlib
@@ -85,7 +86,7 @@ def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) ->
 
     fig, (ax, mem) = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     ax2 = ax.twinx()
-    offset, seen = 0.0, {}
+    offset, seen, speculated = 0.0, {}, False
     for step, t in timelines:
         phases = t.get("phases", [])
         for p in phases:
@@ -94,6 +95,10 @@ def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) ->
             ax.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
             mem.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
             seen[p["layout"]] = color
+            for s0, s1 in p.get("speculation_spans", []):
+                ax.axvspan(offset + s0, offset + s1, ymin=0.93, ymax=1.0, facecolor="none", edgecolor="tab:green",
+                           hatch="////", lw=0)
+                speculated = True
             if p.get("memory_curve"):
                 xs = [offset + c[0] for c in p["memory_curve"]]
                 mem.plot(xs, [c[1] for c in p["memory_curve"]], color="black", lw=1.2)
@@ -126,6 +131,8 @@ def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) ->
     handles = [Patch(color=c, alpha=0.4, label=k) for k, c in seen.items()]
     handles += [plt.Line2D([], [], color="black", label="batch size"),
                 plt.Line2D([], [], color="tab:orange", label="tokens/s")]
+    if speculated:
+        handles.append(Patch(facecolor="none", edgecolor="tab:green", hatch="////", label="speculating"))
     ax.legend(handles=handles, loc="upper right", fontsize=8)
     ax.set_title("layout timeline")
     fig.tight_layout()

@@ -6,7 +6,8 @@ from the start of the call), ``steps``, ``batch_size_start`` / ``batch_size_end`
 where the batch has moved by a fifth since the last pair -- drained, or refilled from the queue --
 and its end: the drain's shape in O(log B) points), ``memory_curve`` ([t, used, expected] triples:
 the busiest rank's KV pages in use, and in use plus the running requests' expected growth, as
-fractions of its pool; a point whenever either moved by 0.05). A switch record keeps ``src``, ``dst``, ``step``, ``cause``
+fractions of its pool; a point whenever either moved by 0.05), ``speculation_spans`` ([t0, t1] of
+each run of steps that verified drafted tokens). A switch record keeps ``src``, ``dst``, ``step``, ``cause``
 (request, schedule, policy or pressure), ``bytes_sent``
 and ``bytes_received`` (one entry per rank), ``overhead_ms`` (time the switching step waited for
 switch state), ``blocking_estimate_ms`` and ``deferred_reason`` (None when it happened).
@@ -47,8 +48,14 @@ def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             p = {"layout": s["layout"], "t_start": t, "t_end": t_end, "steps": 1, "batch_size_start": s["requests"],
                  "batch_size_end": s["running"], "tokens": s["rows"], "batch_curve": [[t, s["requests"]]],
-                 "memory_curve": [[t, *memory_fractions(s)]]}
+                 "memory_curve": [[t, *memory_fractions(s)]], "speculation_spans": []}
             phases.append(p)
+        if s.get("draft_tokens", 0):  # extend the phase's last span of drafted steps, or open one
+            spans = p["speculation_spans"]
+            if spans and spans[-1][1] == t:
+                spans[-1][1] = t_end
+            else:
+                spans.append([t, t_end])
         last = p["batch_curve"][-1][1]
         if abs(s["running"] - last) >= CURVE_STEP * max(last, 1):
             p["batch_curve"].append([t_end, s["running"]])

@@ -6,6 +6,7 @@ a call. The drafter proposes what followed the longest match among the prompt's 
 multi-rank layouts and live switches are in tests/distributed/test_speculation_ranks.py."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.engine.drafter import SuffixDrafter
 from splash_rollout.engine.request import Request, SamplingSpec
+from splash_rollout.scheduling.cost_model import StepBatch
 from tests.unit.test_nothing_lost import assert_nothing_held
 
 MAX_LEN = 56
@@ -148,3 +150,52 @@ def test_under_retraction_pressure_the_tokens_are_the_same(engines):
     assert a.metrics["rollout/retractions"] > 0 and b.metrics["rollout/retractions"] > 0
     assert b.metrics["spec/accepted_tokens"] > 0
     assert_nothing_held(always)
+
+
+def test_the_gate_drafts_where_rows_are_cheap_and_not_where_the_batch_is_wide():
+    from splash_rollout.engine.drafter import DraftStats
+    from splash_rollout.engine.speculation_gate import SpeculationGate
+
+    def price(step):  # a fixed 10 ms a step, then 1 ms a row beyond 16 rows (rows are free until then)
+        return 0.010 + 0.001 * max(0, int(step.query_rows.sum()) - 16)
+
+    stats = DraftStats(proposed=100, accepted=60, rejections=20, asked=50, drafted_requests=40)
+    gate = SpeculationGate(price, stats, max_draft=8, min_observed=0)
+    assert gate.alpha() == pytest.approx((60 + 8) / (80 + 16))
+    tail = gate.choose(0, np.full(2, 100))
+    assert tail.cap > 0 and tail.tokens_per_s[tail.cap] > tail.tokens_per_s[0]
+    wide = gate.choose(1, np.full(256, 100))
+    assert wide.cap == 0
+    assert [e["cap"] for e in gate.log] == [tail.cap, 0] and "256 decoding" in gate.log[-1]["reason"]
+    # drafted steps that measured three times their price next to plain ones at theirs: the tail's
+    # drafts no longer pay
+    for _ in range(30):
+        gate.observe(StepBatch.make(np.full(2, 100), np.full(2, 5), np.zeros(2, np.int64)), 0.030, drafted=True)
+        gate.observe(StepBatch.make(np.full(2, 100), np.ones(2, np.int64), np.zeros(2, np.int64)), 0.010,
+                     drafted=False)
+    assert gate.draft_overhead() == pytest.approx(3.0, rel=0.01)
+    assert gate.choose(100, np.full(2, 100)).cap == 0
+
+
+def test_auto_writes_what_off_writes(engines):
+    off, _ = engines
+    prompts = [[5, 6, 7, 8] * 4, [3, 4] * 5]
+    params = SamplingParams(n=4, temperature=1.0, top_k=3, max_new_tokens=30, ignore_eos=True, seed=5)
+    with _engine("auto") as auto:
+        b = auto.generate(prompts, params)
+        assert b.timeline.speculation and b.timeline.speculation[0]["step"] == 0
+        _same(off.generate(prompts, params), b)
+        assert_nothing_held(auto)
+
+
+def test_the_gate_measures_the_kind_of_step_it_did_not_choose():
+    from splash_rollout.engine.drafter import DraftStats
+    from splash_rollout.engine.speculation_gate import SpeculationGate
+
+    gate = SpeculationGate(lambda step: 0.010, DraftStats(), max_draft=4, min_observed=2, explore_every=4)
+    caps = [gate.choose(step, np.full(2, 50)).cap for step in range(9)]
+    assert caps[0] == 0 and caps[4] == 0 and caps[8] == 0 and all(c > 0 for i, c in enumerate(caps) if i % 4)
+    plain = StepBatch.make(np.full(2, 50), np.ones(2, np.int64), np.zeros(2, np.int64))
+    gate.observe(plain, 0.010, drafted=False)
+    gate.observe(plain, 0.010, drafted=False)
+    assert all(gate.choose(step, np.full(2, 50)).cap > 0 for step in range(12, 24))
