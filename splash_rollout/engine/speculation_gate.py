@@ -12,11 +12,13 @@ for, a cap of k drafts per request yields per decoding request
 against 1 token for t(B rows). The gate takes the cap (0, 1, 2, 4, ... up to ``max_draft``) with the
 most tokens per second. θ prices rows, not what a drafted step adds around them (proposing,
 verifying, sampling more rows; on a CPU, products that leave the few-row kernels), so the gate
-also measures: for the steps it sees (``observe``), the ratio of measured to predicted seconds,
-apart for steps with and without drafts (exponential averages, starting at 1); a drafted step's
-price is scaled by how much more than θ drafted steps have cost than plain ones. Until each kind has
-been measured ``min_observed`` times, one step in ``explore_every`` runs the kind the gate did not
-choose (the tokens are the same either way; only time is at stake). Where the batch is wide, a row costs about what a token is worth and the
+also measures: for the decode steps it sees (``observe``), the ratio of measured to predicted
+seconds, apart for steps with and without drafts and per batch width (powers of two of the decoding
+requests: what an extra row costs depends on how many there are; exponential averages, starting at
+1); a drafted step's price is scaled by how much more than θ drafted steps of that width have cost
+than plain ones. Until each kind has been measured ``min_observed`` times at a width, one step in
+``explore_every`` runs the kind the gate did not choose (the tokens are the same either way; only
+time is at stake). Where the batch is wide, a row costs about what a token is worth and the
 answer is 0; as it drains a step's fixed cost dominates, extra rows are nearly free and drafts pay.
 The cap is decided on rank 0 and sent to every rank in the step's control message, so every
 scheduler replica drafts alike. A change of cap is logged with its reason (``log``).
@@ -53,9 +55,9 @@ class SpeculationGate:
         self._explored_at = -explore_every
         self.caps = tuple(sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft),
                                   max_draft}))
-        self.measured = {True: 1.0, False: 1.0}
-        """Measured / predicted seconds of recent steps, with drafts (True) and without."""
-        self.observed = {True: 0, False: 0}
+        self.measured: dict[tuple[int, bool], float] = {}
+        """(width, drafted) -> measured / predicted seconds of recent decode steps (``width``)."""
+        self.observed: dict[tuple[int, bool], int] = {}
         self.log: list[dict] = []
         """Each change of cap: {step, cap, reason, tokens_per_s}."""
         self._last: tuple | None = None
@@ -72,25 +74,35 @@ class SpeculationGate:
         s = self.stats
         return (s.drafted_requests + 1.0) / (s.asked + 2.0)
 
-    def observe(self, step: StepBatch, seconds: float, drafted: bool, weight: float = 0.2) -> None:
-        """A step that ran (its rows per request, context) and took ``seconds``."""
+    @staticmethod
+    def width(requests: int) -> int:
+        """The batch-width bucket of a step with ``requests`` decoding requests: 1, 2-3, 4-7, ..."""
+        return max(1, int(requests)).bit_length()
+
+    def observe(self, step: StepBatch, seconds: float, drafted: bool, weight: float = 0.3) -> None:
+        """A decode step that ran (its rows per request, context) and took ``seconds``."""
         predicted = self.price(step)
         if predicted > 0 and seconds > 0:
-            self.measured[drafted] += weight * (seconds / predicted - self.measured[drafted])
-            self.observed[drafted] += 1
+            key = (self.width(step.size), drafted)
+            ratio = seconds / predicted
+            self.measured[key] = self.measured.get(key, ratio) + weight * (ratio - self.measured.get(key, ratio))
+            self.observed[key] = self.observed.get(key, 0) + 1
 
-    def draft_overhead(self) -> float:
-        """How much more than θ a drafted step costs, relative to a plain one (1 until both were seen)."""
-        if not (self.observed[True] and self.observed[False]):
+    def draft_overhead(self, requests: int) -> float:
+        """How much more than θ a drafted step of this width costs, relative to a plain one (1 until
+        both were seen there)."""
+        w = self.width(requests)
+        if (w, True) not in self.measured or (w, False) not in self.measured:
             return 1.0
-        return self.measured[True] / self.measured[False]
+        return self.measured[(w, True)] / self.measured[(w, False)]
 
     def choose(self, step: int, context: np.ndarray, prefill_rows: int = 0) -> GateChoice:
         """The cap for a step whose decoding requests have ``context`` ([B] int64) tokens, next to
         ``prefill_rows`` rows of prompt chunks."""
         choice = self._decided(step, context, prefill_rows)
         other = 0 if choice.cap else min(2, self.max_draft)
-        if (context.size and not prefill_rows and self.observed[bool(other)] < self.min_observed
+        seen = self.observed.get((self.width(context.size), bool(other)), 0)
+        if (context.size and not prefill_rows and seen < self.min_observed
                 and step - self._explored_at >= self.explore_every):
             self._explored_at = step  # measure the kind not chosen: what the correction needs
             return GateChoice(other, f"measuring a {'drafted' if other else 'plain'} step", choice.tokens_per_s)
@@ -98,7 +110,7 @@ class SpeculationGate:
 
     def _decided(self, step: int, context: np.ndarray, prefill_rows: int) -> GateChoice:
         b = int(context.size)
-        key = (b, prefill_rows)
+        key = (b, prefill_rows, round(self.draft_overhead(b), 1))
         if self._last is not None and self._last[0] == key and step - self._last[1] < self.reprice_steps:
             return self._choice
         if b == 0:
@@ -123,11 +135,11 @@ class SpeculationGate:
             ctx = context + rows - 1  # a decode row's context is the request's tokens, drafts added
             if prefill_rows:
                 rows, ctx = np.append(rows, prefill_rows), np.append(ctx, prefill_rows)
-            seconds = self.price(StepBatch.make(ctx, rows, owners)) * (self.draft_overhead() if cap else 1.0)
+            seconds = self.price(StepBatch.make(ctx, rows, owners)) * (self.draft_overhead(b) if cap else 1.0)
             gain = sum(alpha ** i for i in range(1, cap + 1))
             rates[cap] = (b + drafted * gain) / seconds if seconds > 0 else 0.0
         best = max(self.caps, key=lambda c: (rates[c], -c))
         why = (f"{b} decoding, alpha {alpha:.2f}, draft hit rate {f:.2f}, drafted steps at "
-               f"{self.draft_overhead():.2f}x θ's relative price: cap {best} predicts "
+               f"{self.draft_overhead(b):.2f}x θ's relative price: cap {best} predicts "
                f"{rates[best]:.0f} tok/s vs {rates[0]:.0f} without")
         return GateChoice(best, why, rates)

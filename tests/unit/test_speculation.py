@@ -173,7 +173,8 @@ def test_the_gate_drafts_where_rows_are_cheap_and_not_where_the_batch_is_wide():
         gate.observe(StepBatch.make(np.full(2, 100), np.full(2, 5), np.zeros(2, np.int64)), 0.030, drafted=True)
         gate.observe(StepBatch.make(np.full(2, 100), np.ones(2, np.int64), np.zeros(2, np.int64)), 0.010,
                      drafted=False)
-    assert gate.draft_overhead() == pytest.approx(3.0, rel=0.01)
+    assert gate.draft_overhead(2) == pytest.approx(3.0, rel=0.01)
+    assert gate.draft_overhead(256) == 1.0  # measured at 2 requests: says nothing of 256
     assert gate.choose(100, np.full(2, 100)).cap == 0
 
 
