@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--arms", default="off,always,auto", help="comma-separated; off is the reference")
+    ap.add_argument("--numerics", default="reproducible", choices=("reproducible", "fast"),
+                    help="the engine's numerics (the recipe's default: reproducible)")
     args = ap.parse_args()
     p = dict(QUICK if args.quick else FULL)
     if args.rounds:
@@ -87,7 +89,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="spec_bench_")
     policy_path = args.policy or train_policy(p, work, args.threads)
     weights = torch.load(policy_path, map_location="cpu")
-    overrides = ["+recipe=grpo_glm5", "engine.world_size=1", "engine.memory_budget_gib=0.25", "engine.layout=tp",
+    overrides = ["+recipe=grpo_glm5", "engine.world_size=1", f"engine.numerics={args.numerics}", "engine.memory_budget_gib=0.25", "engine.layout=tp",
                  f"data.task.max_steps={p['max_chain']}", f"grpo.max_new_tokens={p['max_new_tokens']}", "eval.every=0"]
     calls = p["rounds"] * (p["prompts"] + p["wide_prompts"])
     cfg = compose_config(overrides + [f"data.eval_size=0", f"data.seed=1234"])
@@ -155,7 +157,7 @@ def main() -> int:
                 "accepted_per_drafted": (sum(r["spec/accepted_tokens"] for r in on)
                                          / max(1.0, sum(r["spec/draft_tokens"] for r in on))),
                 "steps_on_share": sum(r["spec/steps_on"] for r in on) / max(1, sum(r["steps"] for r in on))}
-    out = {"params": p, "policy": policy_path, "threads": args.threads, "load_1min": [min(loads), max(loads)],
+    out = {"params": p, "policy": policy_path, "threads": args.threads, "numerics": args.numerics, "load_1min": [min(loads), max(loads)],
            "tokens_equal": True, "summary": summary, "rounds": results,
            "command": "python benchmarks/speculative.py" + (" --quick" if args.quick else "")}
     with open(args.json, "w") as f:

@@ -60,8 +60,12 @@ class SpeculationGate:
         self.observed: dict[tuple[int, bool], int] = {}
         self.log: list[dict] = []
         """Each change of cap: {step, cap, reason, tokens_per_s}."""
-        self._last: tuple | None = None
+        self._theta: tuple | None = None
+        """(batch key, step priced, θ's seconds per cap): repriced when the batch changes or after
+        ``reprice_steps`` steps."""
         self._choice = GateChoice(0, "no step yet", {})
+        self._seen: dict[tuple[int, bool], int] = {}
+        """Decode steps handed to ``observe`` per (width, drafted)."""
 
     def alpha(self) -> float:
         """Probability a drafted token is kept after the ones before it were (prior-weighted)."""
@@ -79,11 +83,16 @@ class SpeculationGate:
         """The batch-width bucket of a step with ``requests`` decoding requests: 1, 2-3, 4-7, ..."""
         return max(1, int(requests)).bit_length()
 
-    def observe(self, step: StepBatch, seconds: float, drafted: bool, weight: float = 0.3) -> None:
-        """A decode step that ran (its rows per request, context) and took ``seconds``."""
+    def observe(self, step: StepBatch, seconds: float, drafted: bool, weight: float = 0.3,
+                every: int = 4) -> None:
+        """A decode step that ran (its rows per request, context) and took ``seconds``. Priced (by θ:
+        a cost) only while its kind has few measurements at its width, then one step in ``every``."""
+        key = (self.width(step.size), drafted)
+        self._seen[key] = self._seen.get(key, 0) + 1
+        if self.observed.get(key, 0) >= self.min_observed and self._seen[key] % every:
+            return
         predicted = self.price(step)
         if predicted > 0 and seconds > 0:
-            key = (self.width(step.size), drafted)
             ratio = seconds / predicted
             self.measured[key] = self.measured.get(key, ratio) + weight * (ratio - self.measured.get(key, ratio))
             self.observed[key] = self.observed.get(key, 0) + 1
@@ -110,24 +119,26 @@ class SpeculationGate:
 
     def _decided(self, step: int, context: np.ndarray, prefill_rows: int) -> GateChoice:
         b = int(context.size)
-        key = (b, prefill_rows, round(self.draft_overhead(b), 1))
-        if self._last is not None and self._last[0] == key and step - self._last[1] < self.reprice_steps:
-            return self._choice
         if b == 0:
             choice = GateChoice(0, "no decoding request", {})
         else:
-            choice = self._priced(context, prefill_rows)
+            f = self.hit_rate()
+            drafted = max(1, int(round(f * b)))  # requests that get a draft
+            key = (b, prefill_rows, drafted)
+            if self._theta is None or self._theta[0] != key or step - self._theta[1] >= self.reprice_steps:
+                self._theta = (key, step, self._theta_seconds(context, prefill_rows, drafted))
+            choice = self._rated(b, drafted, f, self._theta[2])
         if choice.cap != self._choice.cap or not self.log:
             self.log.append({"step": step, "cap": choice.cap, "reason": choice.reason,
                              "tokens_per_s": {str(k): v for k, v in choice.tokens_per_s.items()}})
-        self._last, self._choice = (key, step), choice
+        self._choice = choice
         return choice
 
-    def _priced(self, context: np.ndarray, prefill_rows: int) -> GateChoice:
-        b, alpha, f = int(context.size), self.alpha(), self.hit_rate()
-        drafted = max(1, int(round(f * b)))  # requests that get a draft
+    def _theta_seconds(self, context: np.ndarray, prefill_rows: int, drafted: int) -> dict[int, float]:
+        """θ's seconds of the step per cap (the first ``drafted`` requests drafting ``cap`` tokens)."""
+        b = int(context.size)
         owners = np.zeros(b + (1 if prefill_rows else 0), dtype=np.int64)
-        rates = {}
+        out = {}
         for cap in self.caps:
             rows = np.ones(b, dtype=np.int64)
             if cap:
@@ -135,11 +146,18 @@ class SpeculationGate:
             ctx = context + rows - 1  # a decode row's context is the request's tokens, drafts added
             if prefill_rows:
                 rows, ctx = np.append(rows, prefill_rows), np.append(ctx, prefill_rows)
-            seconds = self.price(StepBatch.make(ctx, rows, owners)) * (self.draft_overhead(b) if cap else 1.0)
+            out[cap] = self.price(StepBatch.make(ctx, rows, owners))
+        return out
+
+    def _rated(self, b: int, drafted: int, f: float, theta: dict[int, float]) -> GateChoice:
+        """Tokens per second per cap: θ's seconds with the measured overhead, the measured acceptance."""
+        alpha, overhead = self.alpha(), self.draft_overhead(b)
+        rates = {}
+        for cap, seconds in theta.items():
+            seconds *= overhead if cap else 1.0
             gain = sum(alpha ** i for i in range(1, cap + 1))
             rates[cap] = (b + drafted * gain) / seconds if seconds > 0 else 0.0
         best = max(self.caps, key=lambda c: (rates[c], -c))
-        why = (f"{b} decoding, alpha {alpha:.2f}, draft hit rate {f:.2f}, drafted steps at "
-               f"{self.draft_overhead(b):.2f}x θ's relative price: cap {best} predicts "
-               f"{rates[best]:.0f} tok/s vs {rates[0]:.0f} without")
+        why = (f"{b} decoding, alpha {alpha:.2f}, draft hit rate {f:.2f}, drafted steps at {overhead:.2f}x "
+               f"θ's relative price: cap {best} predicts {rates[best]:.0f} tok/s vs {rates[0]:.0f} without")
         return GateChoice(best, why, rates)
