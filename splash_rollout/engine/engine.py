@@ -258,6 +258,8 @@ class Engine:
         for req in requests:
             self.scheduler.add(req)
         self.driver.new_call()
+        if self.gate is not None:
+            self.gate.new_call()
         finished: list[Request] = []
         prev: _Step | None = None
         steps = 0

@@ -2,9 +2,11 @@
 
 A drafted decode row costs a query row; what it buys is the tokens verification keeps. With α the
 measured probability that a drafted token is kept given the ones before it were (kept drafts over
-kept drafts plus rejections, from the drafter's own record, starting from ``prior_alpha`` with the
-weight of ``prior_weight`` drafts) and f the share of decoding requests the drafter had a draft
-for, a cap of k drafts per request yields per decoding request
+kept drafts plus rejections, from the drafter's own record) and f the share of decoding requests
+the drafter had a draft for -- both measured within the current call, shrunk toward every call's so
+far (``prior_weight`` drafts' worth; before any, α = ``prior_alpha``): a group of 8 samples of one
+prompt drafts from its siblings, a call of single samples of fresh prompts barely drafts at all --
+a cap of k drafts per request yields per decoding request
 
     1 + f * (α + α² + ... + α^k)          tokens a step, for
     t(B decode rows + f·B·k drafted rows)  seconds (the cost model, in the current layout),
@@ -25,6 +27,7 @@ scheduler replica drafts alike. A change of cap is logged with its reason (``log
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -60,6 +63,8 @@ class SpeculationGate:
         self.observed: dict[tuple[int, bool], int] = {}
         self.log: list[dict] = []
         """Each change of cap: {step, cap, reason, tokens_per_s}."""
+        self._at_call = DraftStats()
+        """The drafter's record when this call started."""
         self._theta: tuple | None = None
         """(batch key, step priced, θ's seconds per cap): repriced when the batch changes or after
         ``reprice_steps`` steps."""
@@ -67,16 +72,25 @@ class SpeculationGate:
         self._seen: dict[tuple[int, bool], int] = {}
         """Decode steps handed to ``observe`` per (width, drafted)."""
 
+    def new_call(self) -> None:
+        """A generate call starts: its α and hit rate are measured afresh (toward every call's)."""
+        self._at_call = dataclasses.replace(self.stats)
+
     def alpha(self) -> float:
-        """Probability a drafted token is kept after the ones before it were (prior-weighted)."""
-        s = self.stats
-        kept, tried = s.accepted, s.accepted + s.rejections
-        return (kept + self.prior_alpha * self.prior_weight) / (tried + self.prior_weight)
+        """Probability a drafted token is kept after the ones before it were, in this call (shrunk
+        toward every call's, itself toward ``prior_alpha``)."""
+        s, c = self.stats, self._at_call
+        overall = (s.accepted + self.prior_alpha * self.prior_weight) / (s.accepted + s.rejections + self.prior_weight)
+        kept, tried = s.accepted - c.accepted, (s.accepted + s.rejections) - (c.accepted + c.rejections)
+        return (kept + overall * self.prior_weight) / (tried + self.prior_weight)
 
     def hit_rate(self) -> float:
-        """Share of the requests asked that had a draft (prior 1/2 with two asks' weight)."""
-        s = self.stats
-        return (s.drafted_requests + 1.0) / (s.asked + 2.0)
+        """Share of this call's requests asked that had a draft (shrunk toward every call's, itself
+        toward 1/2 with two asks' weight)."""
+        s, c = self.stats, self._at_call
+        overall = (s.drafted_requests + 1.0) / (s.asked + 2.0)
+        hits, asks = s.drafted_requests - c.drafted_requests, s.asked - c.asked
+        return (hits + overall * self.prior_weight) / (asks + self.prior_weight)
 
     @staticmethod
     def width(requests: int) -> int:

@@ -161,19 +161,23 @@ def test_the_gate_drafts_where_rows_are_cheap_and_not_where_the_batch_is_wide():
 
     stats = DraftStats(proposed=100, accepted=60, rejections=20, asked=50, drafted_requests=40)
     gate = SpeculationGate(price, stats, max_draft=8, min_observed=0)
-    assert gate.alpha() == pytest.approx((60 + 8) / (80 + 16))
+    overall = (60 + 8) / (80 + 16)
+    assert gate.alpha() == pytest.approx((60 + overall * 16) / (80 + 16))  # no new_call yet: all of it is this call's
+    gate_b = SpeculationGate(price, stats, max_draft=8)
+    gate_b.new_call()
+    assert gate_b.alpha() == pytest.approx(overall)  # a new call starts at every call's
     tail = gate.choose(0, np.full(2, 100))
     assert tail.cap > 0 and tail.tokens_per_s[tail.cap] > tail.tokens_per_s[0]
     wide = gate.choose(1, np.full(256, 100))
     assert wide.cap == 0
     assert [e["cap"] for e in gate.log] == [tail.cap, 0] and "256 decoding" in gate.log[-1]["reason"]
-    # drafted steps that measured three times their price next to plain ones at theirs: the tail's
+    # drafted steps that measured four times their price next to plain ones at theirs: the tail's
     # drafts no longer pay
     for _ in range(30):
-        gate.observe(StepBatch.make(np.full(2, 100), np.full(2, 5), np.zeros(2, np.int64)), 0.030, drafted=True)
+        gate.observe(StepBatch.make(np.full(2, 100), np.full(2, 5), np.zeros(2, np.int64)), 0.040, drafted=True)
         gate.observe(StepBatch.make(np.full(2, 100), np.ones(2, np.int64), np.zeros(2, np.int64)), 0.010,
                      drafted=False)
-    assert gate.draft_overhead(2) == pytest.approx(3.0, rel=0.01)
+    assert gate.draft_overhead(2) == pytest.approx(4.0, rel=0.01)
     assert gate.draft_overhead(256) == 1.0  # measured at 2 requests: says nothing of 256
     assert gate.choose(100, np.full(2, 100)).cap == 0
 
