@@ -1,7 +1,10 @@
 """Speculative decoding on 2 ranks: in every layout and through live switches between them, with
-``speculation="always"`` the samples equal one rank's without speculation (reproducible numerics:
-logprobs too). Drafts are proposed by every rank's scheduler replica from the same tokens, so the
-replicas verify the same rows."""
+``speculation="always"`` the samples equal one rank's without speculation: the same tokens and
+finish reasons, and under reproducible numerics the same logprobs up to its one caveat -- a float64
+sum that lands within ~1e-16 of a float32 rounding boundary may round either way when the rows
+around it change (here: the routed experts' products over the drafted rows); measured, one logprob
+in 480 one float32 ulp (4.8e-7) apart. Drafts are proposed by every rank's scheduler replica from the
+same tokens, so the replicas verify the same rows."""
 import random
 
 import pytest
@@ -16,6 +19,12 @@ PARAMS = [SamplingParams(n=4, temperature=0.0, max_new_tokens=30, ignore_eos=Tru
 
 def _outputs(batch):
     return [(s.response_ids, s.response_logprobs, s.finish_reason) for s in batch.samples]
+
+
+def _assert_same(got, want):
+    assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
+    gap = max((abs(a - b) for (_, x, _), (_, y, _) in zip(got, want) for a, b in zip(x, y)), default=0.0)
+    assert gap <= 1e-6, gap
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +44,7 @@ def test_every_layout_and_random_switches_write_what_one_rank_writes(oracle):
         accepted, switches = 0.0, 0.0
         for params, want in zip(PARAMS, oracle):
             batch = engine.generate(PROMPTS, params)
-            assert _outputs(batch) == want
+            _assert_same(_outputs(batch), want)
             accepted += batch.metrics["spec/accepted_tokens"]
             switches += batch.metrics["layout/switches"]
     assert accepted > 0 and switches >= 4
