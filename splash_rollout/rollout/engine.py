@@ -23,10 +23,10 @@ from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.models.numerics import numerics_mode, set_numerics
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost, worker_build, worker_can_ever_admit,
-                                          worker_memory_stats, worker_request_switch, worker_serve, worker_sleep,
+                                          worker_memory_stats, worker_request_switch, worker_sleep,
                                           worker_update_weights, worker_wake_up)
 from splash_rollout.rollout.progress import progress_enabled
-from splash_rollout.rollout.streaming import ABORTED, FILTERED, KEPT, check_stream_args, make_group, serve_streaming
+from splash_rollout.rollout.call_modes import StreamingCall, WholeCall, call_mode
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics, speculation_metrics
 from splash_rollout.rollout.validation import (check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
@@ -148,10 +148,9 @@ class RolloutEngine:
         self._check_awake("generate")
         carried = self._check_carried(resume)
         no_prompts = isinstance(prompts, (list, tuple)) and not prompts and bool(carried)
-        streaming = on_group is not None or target_groups is not None
-        if streaming:
-            count = 1 if isinstance(prompts, str) else len(prompts) if hasattr(prompts, "__len__") else None
-            check_stream_args(on_group, target_groups, poll_steps, None if count is None else count + len(carried))
+        mode = call_mode(on_group, target_groups, poll_steps)
+        count = 1 if isinstance(prompts, str) else len(prompts) if hasattr(prompts, "__len__") else None
+        mode.check(None if count is None else count + len(carried))
         counters = (self._num_calls, self._next_request_id)
         fresh, fresh_groups = ([], []) if no_prompts else self._make_requests(prompts, sampling)
         try:
@@ -161,8 +160,7 @@ class RolloutEngine:
             raise
         offset = len(groups)
         slots.update({offset + i: [None] * len(g) for i, g in enumerate(fresh_groups)})
-        return self._serve_call(requests + fresh, groups + fresh_groups, on_group, target_groups, poll_steps,
-                                earlier, slots if carried else None)
+        return self._serve_call(requests + fresh, groups + fresh_groups, mode, earlier, slots if carried else None)
 
     def _check_resumable(self, where: str, s: Sample) -> None:
         """A sample ``resume`` can continue (its finish reason is the caller's check)."""
@@ -245,7 +243,7 @@ class RolloutEngine:
             return RolloutBatch([], metrics={"rollout/stale_dropped": float(len(dropped))}, dropped=dropped)
         # one group per continued sample; its metrics count them under rollout/resumed_samples
         requests, groups, earlier, _ = self._resume_requests([SampleGroup(i, [s]) for i, s in enumerate(kept)])
-        batch = self._serve_call(requests, groups, None, None, 1, earlier)
+        batch = self._serve_call(requests, groups, WholeCall(), earlier)
         batch.dropped = dropped
         batch.metrics["rollout/stale_dropped"] = float(len(dropped))
         return batch
@@ -281,36 +279,27 @@ class RolloutEngine:
                     routing=None)
         return batch
 
-    def _serve_call(self, requests: list[Request], groups: list[list[Request]], on_group, target_groups,
-                    poll_steps: int, earlier_versions: dict[int, list[int]] | None = None,
+    def _serve_call(self, requests: list[Request], groups: list[list[Request]], mode: WholeCall | StreamingCall,
+                    earlier_versions: dict[int, list[int]] | None = None,
                     slots: dict[int, list[Sample | None]] | None = None) -> RolloutBatch:
-        """Serve one call's requests on every rank and assemble its batch, timeline and metrics.
-        ``slots``: group index -> its samples, finished ones given and None where a request fills in
-        (groups resumed by ``generate(resume=...)``); None: every sample comes from a request."""
-        streaming = on_group is not None or target_groups is not None
+        """Serve one call's requests on every rank (``mode``: whole or streamed) and assemble its batch,
+        timeline and metrics. ``slots``: group index -> its samples, finished ones given and None
+        where a request fills in (groups resumed by ``generate(resume=...)``); None: every sample
+        comes from a request."""
         t0 = time.perf_counter()
         with self._call_lock:
             self._in_call = requests
         try:
-            if streaming:
-                results, steps, switches, decisions, sorted_groups = serve_streaming(
-                    self, requests, groups, on_group, target_groups, poll_steps, earlier_versions, slots)
-            else:
-                results, steps, switches, decisions = self._on_ranks(
-                    worker_serve, [RequestRecord.of(r) for r in requests], self._progress) if requests else ([], [], [], [])
+            served = mode.serve(self, requests, groups, earlier_versions, slots)
         finally:
             with self._call_lock:  # an abort() that arrives after the last step is not kept for the next call
                 self._in_call = None
                 self._abort.clear()
                 self._host.clear_interrupt()
         elapsed = time.perf_counter() - t0
+        results, steps = served.results, served.steps
         by_id = {r.request_id: r for r in results}
-        if streaming:
-            out, filtered, aborted = sorted_groups[KEPT], sorted_groups[FILTERED], sorted_groups[ABORTED]
-        else:
-            out, filtered, aborted = [make_group(i, reqs, by_id, self.weight_version, earlier_versions,
-                                                 (slots or {}).get(i)) for i, reqs in enumerate(groups)], [], []
-        timeline = build_timeline(steps, switches, decisions)
+        timeline = build_timeline(steps, served.switches, served.decisions)
         lens = [len(by_id[r.request_id].output_ids) for r in requests] or [0]
         num_tokens = sum(lens)
         control = [s["control_bytes"] for s in steps] or [0]
@@ -323,13 +312,11 @@ class RolloutEngine:
                    "timing_s/policy": float(sum(s["split_s"].get("policy", 0.0) for s in steps))}
         if earlier_versions:
             metrics["rollout/resumed_samples"] = float(len(earlier_versions))
-        if streaming:
-            metrics.update({"rollout/kept_groups": float(len(out)), "rollout/filtered_groups": float(len(filtered)),
-                            "rollout/aborted_groups": float(len(aborted))})
+        metrics.update(served.metrics)
         metrics.update(layout_metrics(timeline))
         metrics.update(memory_metrics(steps))
         metrics.update(speculation_metrics(steps))
-        return RolloutBatch(out, timeline, metrics, filtered=filtered, aborted=aborted)
+        return RolloutBatch(served.groups, timeline, metrics, filtered=served.filtered, aborted=served.aborted)
 
     def switch_layout(self, dst: str, blocking: bool = False) -> None:
         """Switch the attention layout at the next step boundary (the next ``generate`` call's first
