@@ -241,9 +241,9 @@ class RolloutEngine:
             (dropped if too_old else kept).append(s)
         if not kept:
             return RolloutBatch([], metrics={"rollout/stale_dropped": float(len(dropped))}, dropped=dropped)
-        # one group per continued sample; its metrics count them under rollout/resumed_samples
-        requests, groups, earlier, _ = self._resume_requests([SampleGroup(i, [s]) for i, s in enumerate(kept)])
-        batch = self._serve_call(requests, groups, WholeCall(), earlier)
+        # the one way samples continue: generate(resume=...), one group per continued sample (its
+        # metrics count them under rollout/resumed_samples)
+        batch = self.generate([], resume=[SampleGroup(i, [s]) for i, s in enumerate(kept)])
         batch.dropped = dropped
         batch.metrics["rollout/stale_dropped"] = float(len(dropped))
         return batch
