@@ -96,8 +96,12 @@ def test_partial_rollout_needs_over_sampling_and_a_valid_bound():
 
     from splash_rollout.recipes.grpo.build import partial_rollout_config
 
-    cfg = lambda **g: OmegaConf.create({"grpo": {"oversample_groups": 6, "partial_rollout": True, **g}})  # noqa: E731
-    assert partial_rollout_config(cfg()).max_off_policy_steps == 1
+    from splash_rollout.run import compose_config
+
+    default = compose_config(["+recipe=grpo_glm5"]).grpo.max_off_policy_steps  # the default lives in conf/
+    cfg = lambda **g: OmegaConf.create({"grpo": {"oversample_groups": 6, "partial_rollout": True,  # noqa: E731
+                                                 "max_off_policy_steps": default, **g}})
+    assert default == 1 and partial_rollout_config(cfg()).max_off_policy_steps == 1
     assert partial_rollout_config(cfg(max_off_policy_steps=None)).max_off_policy_steps is None
     assert partial_rollout_config(cfg(partial_rollout=False)) is None
     with pytest.raises(ValueError, match="grpo.partial_rollout: needs grpo.oversample_groups"):

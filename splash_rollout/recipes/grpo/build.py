@@ -65,7 +65,7 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
                   attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
                   numerics=e.numerics, online_correction=bool(e.online_correction), profile=e.profile,
                   speculation=str(e.speculation),
-                  return_routing=bool(cfg.grpo.get("routing_replay", False)),  # the trainer replays it
+                  return_routing=bool(cfg.grpo.routing_replay),  # the trainer replays it
                   policy=OmegaConf.to_container(e.policy) if e.policy is not None else None,
                   driver=OmegaConf.to_container(e.driver) if e.driver is not None else None)
     if e.layout is not None:
@@ -82,7 +82,7 @@ def build_engine_with_weights(cfg: DictConfig, weights: dict[str, torch.Tensor],
 
 def max_prompt_len(cfg: DictConfig) -> int:
     """``data.max_prompt_len``, or what leaves room for ``grpo.max_new_tokens`` in the context."""
-    if cfg.data.get("max_prompt_len"):
+    if cfg.data.max_prompt_len:
         return int(cfg.data.max_prompt_len)
     context = resolve_model(model_source(cfg)).max_position_embeddings
     if cfg.engine.max_model_len:
@@ -94,7 +94,7 @@ def trainer_config(cfg: DictConfig) -> TrainerConfig:
     t = cfg.trainer
     return TrainerConfig(backend=t.backend, zero_stage=t.zero_stage, lr=t.lr, weight_decay=t.weight_decay,
                          betas=tuple(t.betas), grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-                         micro_batch_tokens=t.get("micro_batch_tokens"), dist_backend=t.dist_backend)
+                         micro_batch_tokens=t.micro_batch_tokens, dist_backend=t.dist_backend)
 
 
 def sft_config(cfg: DictConfig) -> SFTConfig:
@@ -105,19 +105,19 @@ def sft_config(cfg: DictConfig) -> SFTConfig:
 
 def loss_config(cfg: DictConfig) -> GRPOLossConfig:
     g = cfg.grpo
-    if g.get("kl_in", "loss") not in KL_PLACES:
+    if g.kl_in not in KL_PLACES:
         raise ValueError(f"grpo.kl_in: expected one of {KL_PLACES}, got {g.kl_in!r}")
-    if g.get("overlong", "keep") not in OVERLONG:
+    if g.overlong not in OVERLONG:
         raise ValueError(f"grpo.overlong: expected one of {OVERLONG}, got {g.overlong!r}")
     return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef,
-                          normalize_std=g.normalize_std, loss_agg=g.get("loss_agg", "token_mean"),
-                          kl_estimator=g.get("kl_estimator", "k3"), entropy_coef=g.get("entropy_coef", 0.0),
+                          normalize_std=g.normalize_std, loss_agg=g.loss_agg,
+                          kl_estimator=g.kl_estimator, entropy_coef=g.entropy_coef,
                           rollout_corr=rollout_correction_config(cfg))
 
 
 def rollout_correction_config(cfg: DictConfig) -> RolloutCorrectionConfig:
     """``grpo.rollout_corr.*`` (absent: off); an unknown key is an error naming it."""
-    given = cfg.grpo.get("rollout_corr") or {}
+    given = cfg.grpo.rollout_corr or {}
     given = OmegaConf.to_container(given, resolve=True) if OmegaConf.is_config(given) else dict(given)
     known = set(RolloutCorrectionConfig.__dataclass_fields__)
     unknown = sorted(set(given) - known)
@@ -130,34 +130,34 @@ def rollout_correction_config(cfg: DictConfig) -> RolloutCorrectionConfig:
 def oversample_config(cfg: DictConfig) -> OversampleConfig | None:
     """``grpo.oversample_groups`` (null / 0: off) with ``grpo.filter``."""
     g = cfg.grpo
-    asked = g.get("oversample_groups")
+    asked = g.oversample_groups
     if not asked:
         return None
     return OversampleConfig(oversample_groups=int(asked), target_groups=int(g.prompts_per_step),
-                            filter=str(g.get("filter", "std")))
+                            filter=str(g.filter))
 
 
 def partial_rollout_config(cfg: DictConfig) -> PartialRolloutConfig | None:
     """``grpo.partial_rollout`` (needs over-sampling: only a streaming call cuts groups off) with
     ``grpo.max_off_policy_steps``."""
     g = cfg.grpo
-    on = g.get("partial_rollout", False)
+    on = g.partial_rollout
     if not isinstance(on, bool):
         raise ValueError(f"grpo.partial_rollout: expected true or false, got {on!r}")
     if not on:
         return None
-    if not g.get("oversample_groups"):
+    if not g.oversample_groups:
         raise ValueError("grpo.partial_rollout: needs grpo.oversample_groups (> grpo.prompts_per_step): only an "
                          "over-sampled step cuts groups off to carry on")
-    k = g.get("max_off_policy_steps", 1)
+    k = g.max_off_policy_steps
     return PartialRolloutConfig(max_off_policy_steps=None if k is None else k)
 
 
 def lr_schedule(cfg: DictConfig) -> LRSchedule:
     g = cfg.grpo
-    return LRSchedule(lr=float(cfg.trainer.lr), kind=g.get("lr_schedule", "constant"),
+    return LRSchedule(lr=float(cfg.trainer.lr), kind=g.lr_schedule,
                       warmup_steps=int(g.warmup_steps), total_steps=int(g.steps),
-                      min_lr_ratio=float(g.get("min_lr_ratio", 0.0)))
+                      min_lr_ratio=float(g.min_lr_ratio))
 
 
 def eval_config(cfg: DictConfig) -> EvalConfig:
@@ -181,7 +181,7 @@ def tool_env(cfg: DictConfig, tokenizer) -> CalculatorEnv | None:
     if unknown:
         raise ValueError(f"tool: unknown option(s) {unknown}; expected some of {sorted(known)} or enabled")
     config = ToolConfig(**given)
-    if cfg.grpo.get("oversample_groups"):
+    if cfg.grpo.oversample_groups:
         raise ValueError("tool: multi-turn rollouts do not combine with grpo.oversample_groups; set it to null")
     if cfg.sft.steps > 0 and config.sft_demo_fraction > 0 and cfg.data.kind != "arith_chain":
         raise ValueError(f"tool.sft_demo_fraction > 0 writes calculator demonstrations of arithmetic chains, "

@@ -93,11 +93,11 @@ class RewardFunction:
 
     def __init__(self, r: DictConfig) -> None:
         self.name = str(r.fn)
-        self.correct_threshold = float(r.get("correct_threshold", 1.0))
+        self.correct_threshold = float(r.correct_threshold)
         if self.name in BUILTINS:
             self._fn, self.user, self.batched = _builtin(self.name, r), False, False
         else:
-            self._fn, self.user, self.batched = import_reward_fn(self.name), True, bool(r.get("batched", False))
+            self._fn, self.user, self.batched = import_reward_fn(self.name), True, bool(r.batched)
 
     def _raw(self, responses: list[str], examples: Sequence[Example], token_ids: list[list[int]]) -> list[Any]:
         if not self.user:

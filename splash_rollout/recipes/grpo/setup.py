@@ -116,7 +116,7 @@ class GRPORun:
 
     def save_if_due(self, step: int) -> None:
         """A checkpoint after ``step`` every ``trainer.save_every`` steps and after the last."""
-        save_every = int(self.cfg.trainer.get("save_every", 0) or 0)
+        save_every = int(self.cfg.trainer.save_every or 0)
         if not save_every or not ((step + 1) % save_every == 0 or step + 1 == self.steps):
             return
         carry = self.rollout.carry
@@ -177,7 +177,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
     evaluation = eval_config(cfg)
     sft_cfg = sft_config(cfg)
     resume = cfg.get("resume")
-    do_sft = not resume and not s.get("load") and sft_cfg.steps > 0
+    do_sft = not resume and not s.load and sft_cfg.steps > 0
     oversample = oversample_config(cfg)
     tools = tool_env(cfg, tokenizer)  # tool.*: multi-turn rollouts with a calculator (multi_turn.py)
     partial = partial_rollout_config(cfg)
@@ -187,7 +187,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
     reward_fn.probe(data.train[0])
     schedule = lr_schedule(cfg)
     losses = loss_config(cfg)
-    if losses.kl_coef > 0 and g.get("ref_path") and not os.path.exists(g.ref_path):
+    if losses.kl_coef > 0 and g.ref_path and not os.path.exists(g.ref_path):
         raise FileNotFoundError(f"grpo.ref_path: {g.ref_path!r} does not exist")
     policy = build_policy(cfg)
     fingerprint = ckpt.model_fingerprint(model_source(cfg), policy)
@@ -200,7 +200,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
         restored = (state, ckpt.load_rank_files(folder, state, rank))
         # before the trainer exists: ZeRO takes its fp32 master copy at deepspeed.initialize
         policy.load_state_dict(restored[1]["policy"], strict=True)
-    elif s.get("load"):  # a saved warm start (sft_policy.pt of an earlier run) replaces SFT
+    elif s.load:  # a saved warm start (sft_policy.pt of an earlier run) replaces SFT
         policy.load_state_dict(torch.load(s.load, map_location="cpu"), strict=True)
 
     # ---- outputs: a resumed run drops what the interrupted one logged after its checkpoint
@@ -229,13 +229,13 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
                               log=lambda m, i: log_sft(sink, m, i, rank, cfg.logger.log_sft),
                               targets=(lambda ex: sft_target(ex, tokenizer, tools)) if tools else None,
                               micro_batch_tokens=trainer.config.micro_batch_tokens)
-        if rank == 0 and s.get("save", True):
+        if rank == 0 and s.save:
             torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
         trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
 
     ref_model, own_reference = None, False
     if losses.kl_coef > 0:
-        if g.get("ref_path"):
+        if g.ref_path:
             ref_model = load_reference(g.ref_path, trainer.model, cfg.model.dtype)
         else:  # the post-SFT policy (kept in checkpoints, since a resumed run cannot rebuild it)
             ref_model, own_reference = copy.deepcopy(trainer.model).eval().requires_grad_(False), True
@@ -243,10 +243,10 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
                 ref_model.load_state_dict(restored[1]["reference"], strict=True)
     update = UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=trainer.config.micro_batch_size,
                           micro_batch_tokens=trainer.config.micro_batch_tokens,
-                          max_new_tokens=g.max_new_tokens, overlong=g.get("overlong", "keep"),
-                          overlong_penalty=float(g.get("overlong_penalty", 1.0)), kl_in=g.get("kl_in", "loss"),
-                          shuffle_minibatches=bool(g.get("shuffle_minibatches", False)), seed=int(cfg.seed),
-                          routing_replay=bool(g.get("routing_replay", False)))
+                          max_new_tokens=g.max_new_tokens, overlong=g.overlong,
+                          overlong_penalty=float(g.overlong_penalty), kl_in=g.kl_in,
+                          shuffle_minibatches=bool(g.shuffle_minibatches), seed=int(cfg.seed),
+                          routing_replay=bool(g.routing_replay))
 
     # ---- the engine and where each step's groups come from
     start, version, cursor, timelines = 0, 0, 0, []
@@ -260,7 +260,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
     engine = build_engine_with_weights(cfg, trainer.named_weights(), version=version)
     if tools is not None:  # generate (rollouts and eval) now answers calculator calls between turns
         engine = MultiTurnEngine(engine, tools, tools.config.max_turns)
-    order = PromptOrder(len(data.train), bool(cfg.data.get("shuffle", False)), int(cfg.data.get("seed", 0)), cursor)
+    order = PromptOrder(len(data.train), bool(cfg.data.shuffle), int(cfg.data.seed), cursor)
     rollout = StepRollout(reward_fn, data.train, order, tokenizer, int(g.prompts_per_step), oversample, carry)
     sampling = SamplingParams(n=g.n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
                               stop_token_ids=stop_ids)
@@ -268,7 +268,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
                    reward_fn=reward_fn, evaluation=evaluation, data=data, losses=losses, schedule=schedule,
                    trainer=trainer, ref_model=ref_model, own_reference=own_reference, update=update,
                    engine=engine, rollout=rollout,
-                   engine_memory=EngineMemory(release=bool(cfg.engine.get("sleep_during_train", False))),
+                   engine_memory=EngineMemory(release=bool(cfg.engine.sleep_during_train)),
                    sampling=sampling, sink=sink, fingerprint=fingerprint, start=start,
                    step_offset=sft_cfg.steps if cfg.logger.log_sft else 0, sft_summary=sft_summary,
                    t_start=t_start, timelines=timelines, past_rewards=past_rewards,
