@@ -396,11 +396,19 @@ class Engine:
         self.driver.observe_step(self.step_log[-1], scheduled)
         if switched:
             self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
-        elif self.gate is not None and self.step_log[-1]["prefill_rows"] == 0:  # a decode step: what drafts cost
-            rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
-            context = np.fromiter((s.start + s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
-            self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)), self.step_log[-1]["seconds"],
-                              drafted=self.step_log[-1]["draft_tokens"] > 0)
+        if self.gate is not None:
+            self._feed_gate(scheduled, self.step_log[-1], switched)
+
+    def _feed_gate(self, scheduled: list[ScheduledSeq], record: dict, switched: bool) -> None:
+        """Rank 0 under ``speculation="auto"``: what the step's cap bought, and, for a decode step that
+        did not switch, what it cost against θ."""
+        self.gate.record(record["draft_cap"], record["verified"], record["draft_tokens"], record["accepted_tokens"])
+        if switched or record["prefill_rows"]:
+            return
+        rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
+        context = np.fromiter((s.start + s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
+        self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)), record["seconds"],
+                          drafted=record["draft_tokens"] > 0)
 
     def _sample(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: one token per sampling chunk and per follower forked off it (the follower samples

@@ -11,6 +11,11 @@ a cap of k drafts per request yields per decoding request
     1 + f * (α + α² + ... + α^k)          tokens a step, for
     t(B decode rows + f·B·k drafted rows)  seconds (the cost model, in the current layout),
 
+until that cap has been in force for ``min_verified`` verified drafts: from then on its measured
+drafted rows and kept tokens per verified request replace k and the sum (drafts are often shorter
+than the cap -- the drafter stops where the group's samples disagree -- and the chance a draft is
+kept falls along it, so the geometric sum over-promises long caps),
+
 against 1 token for t(B rows). The gate takes the cap (0, 1, 2, 4, ... up to ``max_draft``) with the
 most tokens per second. θ prices rows, not what a drafted step adds around them (proposing,
 verifying, sampling more rows; on a CPU, products that leave the few-row kernels), so the gate
@@ -55,6 +60,9 @@ class SpeculationGate:
         self.price, self.stats, self.max_draft = price, stats, max_draft
         self.prior_alpha, self.prior_weight, self.reprice_steps = prior_alpha, prior_weight, reprice_steps
         self.min_observed, self.explore_every = min_observed, explore_every
+        self.min_verified = 16
+        self.verified: dict[int, list[float]] = {}
+        """cap -> [verified requests, drafted tokens, kept tokens] while it was in force (decayed)."""
         self._explored_at = -explore_every
         self.caps = tuple(sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft),
                                   max_draft}))
@@ -111,6 +119,23 @@ class SpeculationGate:
             self.measured[key] = self.measured.get(key, ratio) + weight * (ratio - self.measured.get(key, ratio))
             self.observed[key] = self.observed.get(key, 0) + 1
 
+    def record(self, cap: int, verified: int, drafted: int, accepted: int, decay: float = 0.98) -> None:
+        """A step that ran under ``cap``: ``verified`` requests verified ``drafted`` tokens, kept ``accepted``."""
+        if cap <= 0 or verified <= 0:
+            return
+        acc = self.verified.setdefault(cap, [0.0, 0.0, 0.0])
+        for i, x in enumerate((verified, drafted, accepted)):
+            acc[i] = decay * acc[i] + x
+
+    def per_request(self, cap: int) -> tuple[float, float]:
+        """(drafted rows, kept tokens) a drafting request adds under ``cap``: measured once the cap has
+        ``min_verified`` verifications, else ``cap`` rows and the geometric sum over α."""
+        acc = self.verified.get(cap)
+        if acc is not None and acc[0] >= self.min_verified:
+            return acc[1] / acc[0], acc[2] / acc[0]
+        alpha = self.alpha()
+        return float(cap), sum(alpha ** i for i in range(1, cap + 1))
+
     def draft_overhead(self, requests: int) -> float:
         """How much more than θ a drafted step of this width costs, relative to a plain one (1 until
         both were seen there)."""
@@ -138,9 +163,10 @@ class SpeculationGate:
         else:
             f = self.hit_rate()
             drafted = max(1, int(round(f * b)))  # requests that get a draft
-            key = (b, prefill_rows, drafted)
+            lengths = tuple(int(round(self.per_request(c)[0])) for c in self.caps)
+            key = (b, prefill_rows, drafted, lengths)
             if self._theta is None or self._theta[0] != key or step - self._theta[1] >= self.reprice_steps:
-                self._theta = (key, step, self._theta_seconds(context, prefill_rows, drafted))
+                self._theta = (key, step, self._theta_seconds(context, prefill_rows, drafted, lengths))
             choice = self._rated(b, drafted, f, self._theta[2])
         if choice.cap != self._choice.cap or not self.log:
             self.log.append({"step": step, "cap": choice.cap, "reason": choice.reason,
@@ -148,15 +174,17 @@ class SpeculationGate:
         self._choice = choice
         return choice
 
-    def _theta_seconds(self, context: np.ndarray, prefill_rows: int, drafted: int) -> dict[int, float]:
-        """θ's seconds of the step per cap (the first ``drafted`` requests drafting ``cap`` tokens)."""
+    def _theta_seconds(self, context: np.ndarray, prefill_rows: int, drafted: int,
+                       lengths: tuple[int, ...]) -> dict[int, float]:
+        """θ's seconds of the step per cap (the first ``drafted`` requests drafting that cap's
+        ``lengths`` tokens)."""
         b = int(context.size)
         owners = np.zeros(b + (1 if prefill_rows else 0), dtype=np.int64)
         out = {}
-        for cap in self.caps:
+        for cap, length in zip(self.caps, lengths):
             rows = np.ones(b, dtype=np.int64)
             if cap:
-                rows[:drafted] += cap
+                rows[:drafted] += max(1, length)
             ctx = context + rows - 1  # a decode row's context is the request's tokens, drafts added
             if prefill_rows:
                 rows, ctx = np.append(rows, prefill_rows), np.append(ctx, prefill_rows)
@@ -169,7 +197,7 @@ class SpeculationGate:
         rates = {}
         for cap, seconds in theta.items():
             seconds *= overhead if cap else 1.0
-            gain = sum(alpha ** i for i in range(1, cap + 1))
+            gain = self.per_request(cap)[1] if cap else 0.0
             rates[cap] = (b + drafted * gain) / seconds if seconds > 0 else 0.0
         best = max(self.caps, key=lambda c: (rates[c], -c))
         why = (f"{b} decoding, alpha {alpha:.2f}, draft hit rate {f:.2f}, drafted steps at {overhead:.2f}x "
