@@ -7,7 +7,11 @@ policy writes, and a random-init model writes noise. Two workloads on one engine
 * ``long_tail``: the ``benchmarks/long_tail_rl.py`` rollout -- arithmetic chains whose length
   follows a power law up to 32 steps, ``prompts`` x ``n`` samples, temperature 1, a 224-token
   budget -- where a step starts wide and ends with a few long samples;
-* ``wide``: ``wide_prompts`` prompts x 1 sample of 16 tokens, nothing but a wide batch.
+* ``wide``: ``wide_prompts`` prompts x 1 sample of 16 tokens, nothing but a wide batch: all of them
+  at once, a lockstep batch that ends when its slowest sample has its 16 tokens;
+* ``wide_queued``: 4 x ``wide_prompts`` prompts x 1 sample of 16 tokens through ``wide_prompts``
+  running slots (``max_num_seqs``): the queue refills the batch as samples finish, like an RL
+  step's wide phase, so throughput is what the call's time measures.
 
 Arms (``off``, ``always``, ``auto``: the cost-model gate) alternate call by call on engines built
 once, ``--rounds`` each;
@@ -89,9 +93,10 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="spec_bench_")
     policy_path = args.policy or train_policy(p, work, args.threads)
     weights = torch.load(policy_path, map_location="cpu")
-    overrides = ["+recipe=grpo_glm5", "engine.world_size=1", f"engine.numerics={args.numerics}", "engine.memory_budget_gib=0.25", "engine.layout=tp",
+    overrides = ["+recipe=grpo_glm5", "engine.world_size=1", f"engine.numerics={args.numerics}",
+                 f"engine.max_num_seqs={max(p['wide_prompts'], p['prompts'] * p['n'])}", "engine.memory_budget_gib=0.25", "engine.layout=tp",
                  f"data.task.max_steps={p['max_chain']}", f"grpo.max_new_tokens={p['max_new_tokens']}", "eval.every=0"]
-    calls = p["rounds"] * (p["prompts"] + p["wide_prompts"])
+    calls = p["rounds"] * (p["prompts"] + 5 * p["wide_prompts"])
     cfg = compose_config(overrides + [f"data.eval_size=0", f"data.seed=1234"])
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=calls)
@@ -108,7 +113,9 @@ def main() -> int:
         "long_tail": (p["prompts"], SamplingParams(n=p["n"], temperature=1.0, max_new_tokens=p["max_new_tokens"],
                                                    stop_token_ids=stop)),
         "wide": (p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16, stop_token_ids=stop,
-                                                   ignore_eos=True))}
+                                                   ignore_eos=True)),
+        "wide_queued": (4 * p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16,
+                                                              stop_token_ids=stop, ignore_eos=True))}
     results: dict = {name: {arm: [] for arm in arms} for name in workloads}
     cursor = 0
     loads = []
