@@ -204,3 +204,18 @@ def test_the_gate_measures_the_kind_of_step_it_did_not_choose():
     gate.observe(plain, 0.010, drafted=False)
     gate.observe(plain, 0.010, drafted=False)
     assert all(gate.choose(step, np.full(2, 50)).cap > 0 for step in range(12, 24))
+
+
+def test_the_timeline_marks_where_drafts_were_verified(engines, tmp_path):
+    from splash_rollout.reporting.timeline import plot_timeline
+
+    off, always = engines
+    params = SamplingParams(n=4, temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    on = always.generate([[5, 6, 7, 8] * 4], params).timeline.to_dict()
+    spans = [s for p in on["phases"] for s in p["speculation_spans"]]
+    assert spans and all(p["t_start"] <= a < b <= p["t_end"] + 1e-9 for p in on["phases"]
+                         for a, b in p["speculation_spans"])
+    plain = off.generate([[5, 6, 7, 8] * 4], params).timeline.to_dict()
+    assert not any(p["speculation_spans"] for p in plain["phases"])
+    assert (tmp_path / "t.png").exists() is False and plot_timeline(str(tmp_path / "t.png"), [(0, on), (1, plain)])
+    assert (tmp_path / "t.png").stat().st_size > 0
