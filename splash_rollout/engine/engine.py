@@ -332,8 +332,10 @@ class Engine:
                 break
             prefill += r.num_uncomputed_tokens
         context = np.fromiter((r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
+        left = np.fromiter((r.max_total_tokens - r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
         logged = len(self.gate.log)
-        cap = self.gate.choose(self.num_steps, context, min(prefill, budget)).cap
+        cap = self.gate.choose(self.num_steps, context, min(prefill, budget), queued=len(s.waiting),
+                               tokens_left=left).cap
         if len(self.gate.log) > logged:
             self._speculation_note = self.gate.log[-1]
         return cap
@@ -402,7 +404,8 @@ class Engine:
     def _feed_gate(self, scheduled: list[ScheduledSeq], record: dict, switched: bool) -> None:
         """Rank 0 under ``speculation="auto"``: what the step's cap bought, and, for a decode step that
         did not switch, what it cost against θ."""
-        self.gate.record(record["draft_cap"], record["verified"], record["draft_tokens"], record["accepted_tokens"])
+        self.gate.record(record["draft_cap"], record["verified"], record["draft_tokens"], record["accepted_tokens"],
+                         record["accepted_sq"])
         if switched or record["prefill_rows"]:
             return
         rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))

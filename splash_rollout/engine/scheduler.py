@@ -143,6 +143,8 @@ class Scheduler:
         """This step's drafts, per decoding request."""
         self.accepted = 0
         """Drafted tokens this step's verification kept."""
+        self.accepted_sq = 0
+        """Sum over this step's verified requests of the square of what each kept (its spread)."""
         self.draft_cap = 0
         """Most drafted tokens per request this step (set before each step from the driver's control)."""
 
@@ -200,7 +202,7 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         self.copies, self.retracted, self.prefix_hit_tokens, self.prefix_sources = [], [], 0, []
-        self.drafts, self.accepted = {}, 0
+        self.drafts, self.accepted, self.accepted_sq = {}, 0, 0
         self.estimate.stepped()
         plan = self._fit(self._running_rows())
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
@@ -464,6 +466,7 @@ class Scheduler:
         req.num_computed_tokens = start + kept  # the last token and the accepted drafts: their rows' KV
         self.drafter.observe(req, len(draft), accepted)
         self.accepted += accepted
+        self.accepted_sq += accepted * accepted
         if req.finish_reason is not None:
             self.finish(req, req.finish_reason)
             finished.append(req)

@@ -16,8 +16,14 @@ drafted rows and kept tokens per verified request replace k and the sum (drafts 
 than the cap -- the drafter stops where the group's samples disagree -- and the chance a draft is
 kept falls along it, so the geometric sum over-promises long caps),
 
-against 1 token for t(B rows). The gate takes the cap (0, 1, 2, 4, ... up to ``max_draft``) with the
-most tokens per second. θ prices rows, not what a drafted step adds around them (proposing,
+against 1 token for t(B rows). While requests wait, the gate takes the cap (0, 1, 2, 4, ... up to
+``max_draft``) with the most tokens per second: the queue refills the batch, so throughput is the
+call's time. Once nothing waits, the call lasts as long as its slowest request: with S steps left
+(the median budget left of the running requests), K a request's kept tokens per step (mean m and
+variance v, from the per-cap record) and B requests, the slowest of them gains about
+max(0, m·S - sqrt(2 ln B)·sqrt(v·S)) tokens over those steps -- drafts that speed the average
+request up do not end a wide lockstep batch sooner -- and the cap with the most progress of that
+request per second wins. θ prices rows, not what a drafted step adds around them (proposing,
 verifying, sampling more rows; on a CPU, products that leave the few-row kernels), so the gate
 also measures: for the decode steps it sees (``observe``), the ratio of measured to predicted
 seconds, apart for steps with and without drafts and per batch width (powers of two of the decoding
@@ -33,6 +39,7 @@ scheduler replica drafts alike. A change of cap is logged with its reason (``log
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -62,7 +69,8 @@ class SpeculationGate:
         self.min_observed, self.explore_every = min_observed, explore_every
         self.min_verified = 16
         self.verified: dict[int, list[float]] = {}
-        """cap -> [verified requests, drafted tokens, kept tokens] while it was in force (decayed)."""
+        """cap -> [verified requests, drafted tokens, kept tokens, sum of kept squared] while it was in
+        force (decayed)."""
         self._explored_at = -explore_every
         self.caps = tuple(sorted({0, *(2 ** i for i in range(max_draft.bit_length()) if 2 ** i <= max_draft),
                                   max_draft}))
@@ -119,13 +127,33 @@ class SpeculationGate:
             self.measured[key] = self.measured.get(key, ratio) + weight * (ratio - self.measured.get(key, ratio))
             self.observed[key] = self.observed.get(key, 0) + 1
 
-    def record(self, cap: int, verified: int, drafted: int, accepted: int, decay: float = 0.98) -> None:
-        """A step that ran under ``cap``: ``verified`` requests verified ``drafted`` tokens, kept ``accepted``."""
+    def record(self, cap: int, verified: int, drafted: int, accepted: int, accepted_sq: int = 0,
+               decay: float = 0.98) -> None:
+        """A step that ran under ``cap``: ``verified`` requests verified ``drafted`` tokens, kept
+        ``accepted`` (``accepted_sq``: the sum of each request's kept count squared)."""
         if cap <= 0 or verified <= 0:
             return
-        acc = self.verified.setdefault(cap, [0.0, 0.0, 0.0])
-        for i, x in enumerate((verified, drafted, accepted)):
+        acc = self.verified.setdefault(cap, [0.0, 0.0, 0.0, 0.0])
+        for i, x in enumerate((verified, drafted, accepted, accepted_sq)):
             acc[i] = decay * acc[i] + x
+
+    def spread(self, cap: int) -> float:
+        """Variance of the tokens a drafting request keeps under ``cap`` (measured, else its mean)."""
+        acc = self.verified.get(cap)
+        mean = self.per_request(cap)[1]
+        if acc is not None and acc[0] >= self.min_verified:
+            return max(0.0, acc[3] / acc[0] - mean * mean)
+        return mean
+
+    def slowest_gain(self, cap: int, requests: int, f: float, steps_left: float) -> float:
+        """Tokens per step the slowest of ``requests`` is expected to gain under ``cap`` over
+        ``steps_left`` steps (a request drafts with probability ``f``)."""
+        mean, var = self.per_request(cap)[1], self.spread(cap)
+        m = f * mean
+        v = max(0.0, f * (var + mean * mean) - m * m)
+        z = math.sqrt(2.0 * math.log(requests)) if requests > 1 else 0.0
+        s = max(1.0, steps_left)
+        return max(0.0, m * s - z * math.sqrt(v * s)) / s
 
     def per_request(self, cap: int) -> tuple[float, float]:
         """(drafted rows, kept tokens) a drafting request adds under ``cap``: measured once the cap has
@@ -144,10 +172,15 @@ class SpeculationGate:
             return 1.0
         return self.measured[(w, True)] / self.measured[(w, False)]
 
-    def choose(self, step: int, context: np.ndarray, prefill_rows: int = 0) -> GateChoice:
+    def choose(self, step: int, context: np.ndarray, prefill_rows: int = 0, queued: int = 1,
+               tokens_left: np.ndarray | None = None) -> GateChoice:
         """The cap for a step whose decoding requests have ``context`` ([B] int64) tokens, next to
-        ``prefill_rows`` rows of prompt chunks."""
-        choice = self._decided(step, context, prefill_rows)
+        ``prefill_rows`` rows of prompt chunks, with ``queued`` requests waiting; ``tokens_left``: [B]
+        tokens each may still write (for the no-queue objective)."""
+        steps_left = None
+        if not queued and not prefill_rows and tokens_left is not None and tokens_left.size:
+            steps_left = float(np.median(tokens_left))
+        choice = self._decided(step, context, prefill_rows, steps_left)
         other = 0 if choice.cap else min(2, self.max_draft)
         seen = self.observed.get((self.width(context.size), bool(other)), 0)
         if (context.size and not prefill_rows and seen < self.min_observed
@@ -156,7 +189,7 @@ class SpeculationGate:
             return GateChoice(other, f"measuring a {'drafted' if other else 'plain'} step", choice.tokens_per_s)
         return choice
 
-    def _decided(self, step: int, context: np.ndarray, prefill_rows: int) -> GateChoice:
+    def _decided(self, step: int, context: np.ndarray, prefill_rows: int, steps_left: float | None) -> GateChoice:
         b = int(context.size)
         if b == 0:
             choice = GateChoice(0, "no decoding request", {})
@@ -167,7 +200,7 @@ class SpeculationGate:
             key = (b, prefill_rows, drafted, lengths)
             if self._theta is None or self._theta[0] != key or step - self._theta[1] >= self.reprice_steps:
                 self._theta = (key, step, self._theta_seconds(context, prefill_rows, drafted, lengths))
-            choice = self._rated(b, drafted, f, self._theta[2])
+            choice = self._rated(b, drafted, f, self._theta[2], steps_left)
         if choice.cap != self._choice.cap or not self.log:
             self.log.append({"step": step, "cap": choice.cap, "reason": choice.reason,
                              "tokens_per_s": {str(k): v for k, v in choice.tokens_per_s.items()}})
@@ -191,15 +224,22 @@ class SpeculationGate:
             out[cap] = self.price(StepBatch.make(ctx, rows, owners))
         return out
 
-    def _rated(self, b: int, drafted: int, f: float, theta: dict[int, float]) -> GateChoice:
-        """Tokens per second per cap: θ's seconds with the measured overhead, the measured acceptance."""
+    def _rated(self, b: int, drafted: int, f: float, theta: dict[int, float],
+               steps_left: float | None) -> GateChoice:
+        """Per cap, with θ's seconds, the measured overhead and the measured yield: tokens per second
+        while requests wait; the slowest request's tokens per second once none does."""
         alpha, overhead = self.alpha(), self.draft_overhead(b)
         rates = {}
         for cap, seconds in theta.items():
             seconds *= overhead if cap else 1.0
-            gain = self.per_request(cap)[1] if cap else 0.0
-            rates[cap] = (b + drafted * gain) / seconds if seconds > 0 else 0.0
+            if steps_left is None:
+                gain = self.per_request(cap)[1] if cap else 0.0
+                rates[cap] = (b + drafted * gain) / seconds if seconds > 0 else 0.0
+            else:
+                gain = self.slowest_gain(cap, b, f, steps_left) if cap else 0.0
+                rates[cap] = (1.0 + gain) / seconds if seconds > 0 else 0.0
         best = max(self.caps, key=lambda c: (rates[c], -c))
+        unit = "tok/s" if steps_left is None else f"tok/s for the slowest request, {steps_left:.0f} steps left"
         why = (f"{b} decoding, alpha {alpha:.2f}, draft hit rate {f:.2f}, drafted steps at {overhead:.2f}x "
-               f"θ's relative price: cap {best} predicts {rates[best]:.0f} tok/s vs {rates[0]:.0f} without")
+               f"θ's relative price: cap {best} predicts {rates[best]:.1f} {unit} vs {rates[0]:.1f} without")
         return GateChoice(best, why, rates)

@@ -219,3 +219,23 @@ def test_the_timeline_marks_where_drafts_were_verified(engines, tmp_path):
     assert not any(p["speculation_spans"] for p in plain["phases"])
     assert (tmp_path / "t.png").exists() is False and plot_timeline(str(tmp_path / "t.png"), [(0, on), (1, plain)])
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_with_nothing_queued_the_gate_prices_the_slowest_request():
+    from splash_rollout.engine.drafter import DraftStats
+    from splash_rollout.engine.speculation_gate import SpeculationGate
+
+    def price(step):  # a fixed 10 ms a step, 0.2 % more per row
+        return 0.010 * (1 + 0.002 * int(step.query_rows.sum()))
+
+    gate = SpeculationGate(price, DraftStats(asked=100, drafted_requests=90), max_draft=2, min_observed=0)
+    for _ in range(40):  # under cap 2 a drafting request kept 0 or 2 tokens, half the time each
+        gate.record(2, verified=10, drafted=20, accepted=10, accepted_sq=20)
+    assert gate.per_request(2) == pytest.approx((2.0, 1.0)) and gate.spread(2) == pytest.approx(1.0)
+    wide = np.full(64, 50)
+    queued = gate.choose(0, wide, queued=10)  # the queue refills the batch: throughput decides
+    assert queued.cap == 2
+    last = gate.choose(1, wide, queued=0, tokens_left=np.full(64, 4))
+    assert last.cap == 0 and "slowest request" in last.reason  # 64 in lockstep, 4 steps left: no gain
+    tail = gate.choose(2, np.full(2, 50), queued=0, tokens_left=np.full(2, 200))
+    assert tail.cap == 2  # two long requests: the slowest gains nearly the mean
