@@ -30,13 +30,8 @@ import subprocess
 import sys
 import tempfile
 
-WALL_CLOCK = ("time", "seconds", "_s", "per_s", "tok_s", "tokens_per_s", "throughput", "elapsed", "wall", "ms")
-"""Metric names holding these (as a word ending a key part) measure the machine, not the behaviour."""
-
-
-def _is_wall_clock(key: str) -> bool:
-    last = key.replace("/", "_").lower()
-    return any(last.endswith(w) for w in WALL_CLOCK) or "time" in last or "timing" in last
+SWITCH_TIMES = ("overhead_ms", "blocking_estimate_ms", "step_seconds")
+"""Switch-record fields that measure the machine, not the behaviour."""
 
 
 def _rounded(x, digits: int = 9):
@@ -69,7 +64,7 @@ def drain() -> dict:
         "tokens": [s.response_ids for s in batch.samples],
         "logprobs": [[float(x) for x in s.response_logprobs] for s in batch.samples],
         "decisions": [{k: d.get(k) for k in keep if k in d} for d in timeline["decisions"]],
-        "switches": [{k: v for k, v in s.items() if not _is_wall_clock(k)} for s in timeline.get("switches", [])],
+        "switches": [{k: v for k, v in s.items() if k not in SWITCH_TIMES} for s in timeline.get("switches", [])],
     })
 
 
@@ -99,7 +94,9 @@ def grpo(workdir: str) -> list[dict]:
         raise SystemExit(f"the GRPO run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [_rounded({k: v for k, v in row.items() if not _is_wall_clock(k)}) for row in rows]
+    from splash_rollout.recipes.grpo.metrics import is_wall_clock
+
+    return [_rounded({k: v for k, v in row.items() if not is_wall_clock(k)}) for row in rows]
 
 
 def first_difference(a, b, path: str = "") -> str | None:

@@ -19,7 +19,6 @@ slice (``ProjectionShard``), its feed-forward shard, and the replicated rest.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -187,11 +186,10 @@ class Engine:
                                    ever_admits=self.can_ever_admit, admission=settings.admission,
                                    prefix_sharing=settings.prefix_sharing,
                                    drafter=SuffixDrafter() if settings.speculation != "off" else None)
+        """This rank's replica: the same decisions on every rank."""
         self.gate = (SpeculationGate(lambda step: price_step(self.layout, step), self.scheduler.drafter.stats)
                      if settings.speculation == "auto" and rank == 0 and price_step is not None else None)
         """Rank 0 under ``speculation="auto"``: the draft cap of each step."""
-        self._speculation_note: dict | None = None
-        """This rank's replica: the same decisions on every rank."""
         self.block_table = BlockTable(settings.max_num_seqs, self.device)
         self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule, settings.driver)
         self.heartbeat, self.should_abort = heartbeat, should_abort
@@ -323,22 +321,7 @@ class Engine:
             return 0
         if self.gate is None:
             return drafter.max_draft
-        s = self.scheduler
-        decoding = [r for r in s.running if r.fork_of is None and not r.in_prefill]
-        budget = max(0, s.max_num_batched_tokens - len(decoding))
-        prefill = 0  # the prompt rows the step will run besides: running prefills, then the queue's head
-        for r in itertools.chain((r for r in s.running if r.fork_of is None and r.in_prefill), s.waiting):
-            if prefill >= budget:
-                break
-            prefill += r.num_uncomputed_tokens
-        context = np.fromiter((r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
-        left = np.fromiter((r.max_total_tokens - r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
-        logged = len(self.gate.log)
-        cap = self.gate.choose(self.num_steps, context, min(prefill, budget), queued=len(s.waiting),
-                               tokens_left=left).cap
-        if len(self.gate.log) > logged:
-            self._speculation_note = self.gate.log[-1]
-        return cap
+        return self.gate.choose_for(self.num_steps, self.scheduler).cap
 
     def _apply_tokens(self, prev: _Step, control: StepControl) -> None:
         """A non-driver rank: finish its previous step with the tokens rank 0 sampled."""
@@ -393,8 +376,9 @@ class Engine:
             return
         self.step_log.append(step_record(self.num_steps - 1, self.layout.value, scheduled, batch, self.scheduler,
                                          clock, control_bytes, self.cpu_share.current, self.driver.take_policy_s()))
-        if self._speculation_note is not None:  # the gate changed the draft cap before this step
-            self.step_log[-1]["speculation"], self._speculation_note = self._speculation_note, None
+        note = self.gate.take_change() if self.gate is not None else None
+        if note is not None:  # the gate changed the draft cap before this step
+            self.step_log[-1]["speculation"] = note
         self.driver.observe_step(self.step_log[-1], scheduled)
         if switched:
             self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]

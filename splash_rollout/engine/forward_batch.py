@@ -224,11 +224,10 @@ class ForwardBatch:
         else:
             out_slots = positions
         sampled = torch.tensor([int(s) for s in samples], dtype=torch.int64, device=device)  # [B]
-        ends = first_row + counts  # [B] one past each request's last row
-        back = torch.repeat_interleave(sampled, sampled)  # [R] the sampled rows of each request ...
-        offset = torch.arange(back.numel(), device=device) - torch.repeat_interleave(torch.cumsum(sampled, 0) - sampled,
-                                                                                     sampled)
-        sample_rows = torch.repeat_interleave(ends, sampled) - back + offset  # ... its last ones, in order
+        first_sampled = first_row + counts - sampled  # [B] each request's first sampled row
+        rank_in_request = torch.arange(int(sampled.sum()), device=device) - torch.repeat_interleave(
+            torch.cumsum(sampled, 0) - sampled, sampled)  # [R] 0, 1, ... within each request
+        sample_rows = torch.repeat_interleave(first_sampled, sampled) + rank_in_request  # [R]
         return cls(torch.tensor(list(input_ids), dtype=torch.int64, device=device), positions, out_slots,
                    block_table, start_t + counts, row_seq, sample_rows, list(num_new), list(owners), page_size)
 

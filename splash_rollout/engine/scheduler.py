@@ -39,10 +39,10 @@ from splash_rollout.scheduling.admission import AdmissionSettings, GrowthEstimat
 from splash_rollout.engine.page_manager import num_pages_for
 from splash_rollout.engine.placement import KVPlacement, PageCopy
 from splash_rollout.engine.request import Request, RequestStatus
+from splash_rollout.layout.layouts import Layout
 
 if TYPE_CHECKING:
     from splash_rollout.engine.drafter import Drafter
-from splash_rollout.layout.layouts import Layout
 
 
 @dataclass

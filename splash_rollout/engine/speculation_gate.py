@@ -39,6 +39,7 @@ scheduler replica drafts alike. A change of cap is logged with its reason (``log
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -61,13 +62,13 @@ class GateChoice:
 class SpeculationGate:
     def __init__(self, price: Callable[[StepBatch], float], stats: DraftStats, max_draft: int = 8,
                  prior_alpha: float = 0.5, prior_weight: float = 16.0, reprice_steps: int = 8,
-                 min_observed: int = 4, explore_every: int = 4) -> None:
+                 min_observed: int = 4, explore_every: int = 4, min_verified: int = 16) -> None:
         """price: predicted seconds of a step batch in the current layout (the cost model, corrected
         online where the engine has a correction); stats: the drafter's running record."""
         self.price, self.stats, self.max_draft = price, stats, max_draft
         self.prior_alpha, self.prior_weight, self.reprice_steps = prior_alpha, prior_weight, reprice_steps
         self.min_observed, self.explore_every = min_observed, explore_every
-        self.min_verified = 16
+        self.min_verified = min_verified
         self.verified: dict[int, list[float]] = {}
         """cap -> [verified requests, drafted tokens, kept tokens, sum of kept squared] while it was in
         force (decayed)."""
@@ -85,6 +86,8 @@ class SpeculationGate:
         """(batch key, step priced, θ's seconds per cap): repriced when the batch changes or after
         ``reprice_steps`` steps."""
         self._choice = GateChoice(0, "no step yet", {})
+        self._reported = 0
+        """Entries of ``log`` handed out by ``take_change``."""
         self._seen: dict[tuple[int, bool], int] = {}
         """Decode steps handed to ``observe`` per (width, drafted)."""
 
@@ -171,6 +174,28 @@ class SpeculationGate:
         if (w, True) not in self.measured or (w, False) not in self.measured:
             return 1.0
         return self.measured[(w, True)] / self.measured[(w, False)]
+
+    def choose_for(self, step: int, scheduler) -> GateChoice:
+        """The cap for the scheduler's next step: its decoding requests, the prompt rows it will run
+        besides them (running prefills, then the queue's head, within the token budget) and the queue."""
+        decoding = [r for r in scheduler.running if r.fork_of is None and not r.in_prefill]
+        budget = max(0, scheduler.max_num_batched_tokens - len(decoding))
+        prefill = 0
+        prefilling = (r for r in scheduler.running if r.fork_of is None and r.in_prefill)
+        for r in itertools.chain(prefilling, scheduler.waiting):
+            if prefill >= budget:
+                break
+            prefill += r.num_uncomputed_tokens
+        context = np.fromiter((r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
+        left = np.fromiter((r.max_total_tokens - r.num_tokens for r in decoding), dtype=np.int64, count=len(decoding))
+        return self.choose(step, context, min(prefill, budget), queued=len(scheduler.waiting), tokens_left=left)
+
+    def take_change(self) -> dict | None:
+        """The newest ``log`` entry if the cap changed since the last call, else None."""
+        if len(self.log) == self._reported:
+            return None
+        self._reported = len(self.log)
+        return self.log[-1]
 
     def choose(self, step: int, context: np.ndarray, prefill_rows: int = 0, queued: int = 1,
                tokens_left: np.ndarray | None = None) -> GateChoice:
