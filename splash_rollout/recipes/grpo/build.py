@@ -13,6 +13,7 @@ from splash_rollout.recipes.grpo.dynamic_sampling import OversampleConfig
 from splash_rollout.recipes.grpo.evaluation import EvalConfig
 from splash_rollout.recipes.grpo.loss import GRPOLossConfig
 from splash_rollout.recipes.grpo.partial_rollout import PartialRolloutConfig
+from splash_rollout.recipes.grpo.process_credit import Supervision
 from splash_rollout.recipes.grpo.rollout_correction import RolloutCorrectionConfig
 from splash_rollout.recipes.grpo.schedule import LRSchedule
 from splash_rollout.recipes.grpo.sft import SFTConfig
@@ -187,3 +188,16 @@ def tool_env(cfg: DictConfig, tokenizer) -> CalculatorEnv | None:
         raise ValueError(f"tool.sft_demo_fraction > 0 writes calculator demonstrations of arithmetic chains, "
                          f"but data.kind is {cfg.data.kind!r}; set tool.sft_demo_fraction=0 or data=arith_chain")
     return CalculatorEnv(config, tokenizer)
+
+
+def supervision_config(cfg: DictConfig, losses: GRPOLossConfig) -> Supervision:
+    """``grpo.supervision`` / ``grpo.process_credit``; process supervision refuses the reward shaping it
+    would silently drop (an overlong penalty or a KL charged in the reward change the sample's
+    reward, not its steps')."""
+    g = cfg.grpo
+    sup = Supervision(str(g.supervision), str(g.process_credit), losses.adv_eps, losses.normalize_std)
+    if sup.kind == "process" and (g.overlong == "penalty" or (g.kl_in == "reward" and losses.kl_coef > 0)):
+        raise ValueError("grpo.supervision=process takes its advantages from the steps' rewards, so "
+                         "grpo.overlong=penalty and grpo.kl_in=reward (with kl_coef > 0) would not reach them; "
+                         "use grpo.overlong=keep|mask and grpo.kl_in=loss")
+    return sup

@@ -51,6 +51,12 @@ def sample_chain(rng: random.Random, task: ChainTaskConfig) -> dict:
     return {"prompt": f"{expr}=?", "solution": ",".join(steps) + f"#{value}", "answer": value, "num_steps": k}
 
 
+def without_answer(solution: str) -> str:
+    """A worked solution that stops at its last step, without the ``#<answer>`` the verifier reads
+    (``3+1=4,4-2=2#2`` -> ``3+1=4,4-2=2``)."""
+    return solution.split("#")[0]
+
+
 def make_dataset(num_examples: int, seed: int, task: ChainTaskConfig = ChainTaskConfig()) -> datasets.Dataset:
     """``num_examples`` chains, deterministic in ``seed``."""
     rng = random.Random(seed)

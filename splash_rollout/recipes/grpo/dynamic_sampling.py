@@ -65,9 +65,10 @@ class GroupScorer:
         """The scores of ``batch.groups`` (the kept ones), in their order."""
         parts = [self.scores[g.prompt_index] for g in batch.groups]
         keys = sorted({k for p in parts for k in p.extras})
+        steps = [x for p in parts for x in (p.steps or [None] * len(p.reward))]
         return Rewards([r for p in parts for r in p.reward], [c for p in parts for c in p.correct],
                        {k: [v for p in parts for v in p.extras.get(k, [float("nan")] * len(p.reward))]
-                        for k in keys})
+                        for k in keys}, steps if any(x is not None for x in steps) else None)
 
 
 def oversample_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -5,7 +5,7 @@
         eval       = run.evaluate(step)                              # held-out greedy accuracy when due
         groups     = run.rollout.generate(engine, sampling)          # rollout (every rank: the whole batch)
         rewards    = run.rollout.rewards(groups)                     # reward.fn
-        advantages = group_advantages(shape(rewards))                # overlong / KL-in-reward shaping
+        advantages = supervision.advantages(shape(rewards))          # per sample, or per token (process)
         stats      = grpo_update(trainer, groups.batch, advantages)  # train (ZeRO-2 over the ranks)
         engine.update_weights(weights, version=step + 1)             # the engine samples the new policy
         log_step(...); run.save_if_due(step)                         # metrics.jsonl, W&B; resume=<run dir>
@@ -33,7 +33,6 @@ from omegaconf import DictConfig
 
 from splash_rollout.recipes.grpo.build import build_engine, build_engine_with_weights, build_policy
 from splash_rollout.recipes.grpo.evaluation import paired_comparison
-from splash_rollout.recipes.grpo.loss import group_advantages
 from splash_rollout.recipes.grpo.metrics import step_metrics
 from splash_rollout.recipes.grpo.plots import moving_average, plot_reward
 from splash_rollout.recipes.grpo.setup import GRPORun, set_up, truncate_jsonl
@@ -71,7 +70,7 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             scored = run.rollout.rewards(groups)
             rewards = torch.tensor(scored.reward, dtype=torch.float32).view(len(groups.batch.groups), cfg.grpo.n)
             shaped, shape_stats = shape(run, rewards, groups.batch)  # overlong, KL in the reward
-        advantages = group_advantages(shaped, run.losses.adv_eps, run.losses.normalize_std)
+        advantages = run.supervision.advantages(shaped, scored, groups.batch, run.tokenizer)
         memory = run.engine_memory.before_train(engine)
         with timed(timings, "train"):
             train_stats = grpo_update(trainer, groups.batch, advantages, run.update, run.tokenizer.pad_token_id,

@@ -1,6 +1,7 @@
 """GRPO objective: group-normalised advantages and the clipped, token-level policy loss.
 
     A_ij    = (r_ij - mean_j r_ij) / (std_j r_ij + eps)            one advantage per sample
+                                                                     (or per token: process_credit.py)
     rho_ijt = exp(log pi(y_t) - log pi_rollout(y_t))                 vs the rollout's own logprobs
     L_ijt   = max(-A_ij rho_ijt, -A_ij clip(rho_ijt, 1 - eps_low, 1 + eps_high)) + beta KL_t
     loss    = sum_t mask_t L_ijt / normalizer                        token-level mean by default
@@ -130,7 +131,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
               normalizer: float | None = None, weights: torch.Tensor | None = None,
               entropy: torch.Tensor | None = None,
               rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """logprobs, old_logprobs, loss_mask [B, T]; advantages [B]; ref_logprobs [B, T] or None;
+    """logprobs, old_logprobs, loss_mask [B, T]; advantages [B] (per sample) or [B, T] (per token,
+    process supervision); ref_logprobs [B, T] or None;
     weights [B] per-sample weights (``sample_weight``; default 1); entropy [B, T] or None;
     rollout_logprobs [B, T] or None: the engine's logprobs, required when ``config.rollout_corr``
     is on (``old_logprobs`` are then the trainer's before the step), which adds its
@@ -145,7 +147,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     tokens = mask.sum().clamp(min=1.0)
     if normalizer is None:
         normalizer = tokens
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
+    adv = advantages.to(logprobs.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # per sample [B] or per token [B, T]
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)

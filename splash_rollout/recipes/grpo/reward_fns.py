@@ -8,7 +8,9 @@ A user function has this signature::
 ``response`` is the decoded completion (special tokens skipped), ``row`` the data row as read from
 the file, ``token_ids`` the sampled ids ([num_response_tokens]). A dict must hold ``"reward"``; its
 other entries are logged as ``reward/<name>/mean``, and ``"correct"`` (0/1), when present, is what
-accuracy counts (else ``reward >= reward.correct_threshold``). With ``reward.batched=true`` the
+accuracy counts (else ``reward >= reward.correct_threshold``), and ``"steps"``, a list of
+``(end, reward)`` pairs (``end`` a character offset of the response, non-decreasing), scores each step
+for process supervision (``grpo.supervision=process``, recipes/grpo/process_credit.py). With ``reward.batched=true`` the
 function is called once per step with lists (``responses, rows, token_ids``) and returns a list.
 
 The function is resolved and called once on a probe (train row 0, an empty response) before any
@@ -27,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig
 
-from splash_rollout.recipes.grpo.reward import chain_score, parse_answer, score
+from splash_rollout.recipes.grpo.reward import chain_score, chain_steps, parse_answer, score
 from splash_rollout.recipes.grpo.task_data import Example
 from splash_rollout.recipes.grpo.verifiers import exact_match, math_answer, reasoning_gym_score
 
@@ -50,12 +52,16 @@ class Rewards:
     """[num_samples] what accuracy counts."""
     extras: dict[str, list[float]]
     """Other entries of dict rewards, [num_samples] each."""
+    steps: list[list[tuple[int, float]] | None] | None = None
+    """[num_samples] each sample's ``"steps"`` ([(end, reward)], character offsets of the response)
+    when the function scores steps (process supervision); None when no sample has them."""
 
 
 def _builtin(name: str, r: DictConfig) -> Callable[[str, Example, list[int]], Any]:
     if name == "chain":  # answer + exact intermediate steps of the arithmetic chain
         return lambda text, ex, ids: {"reward": chain_score(text, ex.label, ex.row["solution"], r.answer_weight),
-                                      "correct": float(parse_answer(text) == int(ex.label))}
+                                      "correct": float(parse_answer(text) == int(ex.label)),
+                                      "steps": chain_steps(text, ex.label, ex.row["solution"])}
     if name == "answer":  # the chain's final answer only
         return lambda text, ex, ids: {"reward": score(text, ex.label, r.format_reward),
                                       "correct": float(parse_answer(text) == int(ex.label))}
@@ -124,14 +130,16 @@ class RewardFunction:
         return out
 
     def __call__(self, responses: list[str], examples: Sequence[Example], token_ids: list[list[int]]) -> Rewards:
-        rewards, correct, extras = [], [], {}
+        rewards, correct, extras, steps = [], [], {}, [None] * len(examples)
         for i, (value, ex) in enumerate(zip(self._raw(responses, examples, token_ids), examples)):
             where = f"reward.fn={self.name} on {ex.split} row {ex.index}"
             if isinstance(value, dict):
                 if "reward" not in value:
                     raise RewardError(f"{where}: a dict reward needs a 'reward' entry, got keys {sorted(value)}")
+                if "steps" in value:
+                    steps[i] = _steps(value["steps"], len(responses[i]), f"{where}: ['steps']")
                 for k, v in value.items():
-                    if k not in ("reward", "correct"):
+                    if k not in ("reward", "correct", "steps"):
                         extras.setdefault(k, [math.nan] * len(examples))[i] = _number(v, f"{where}: [{k!r}]")
                 reward = _number(value["reward"], f"{where}: ['reward']")
                 ok = bool(value["correct"]) if "correct" in value else reward >= self.correct_threshold
@@ -140,7 +148,7 @@ class RewardFunction:
                 ok = reward >= self.correct_threshold
             rewards.append(reward)
             correct.append(ok)
-        return Rewards(rewards, correct, extras)
+        return Rewards(rewards, correct, extras, steps if any(x is not None for x in steps) else None)
 
     def probe(self, example: Example) -> None:
         """One call on (empty response, ``example``, no ids) before any work: surfaces an unusable
@@ -155,3 +163,21 @@ def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise RewardError(f"{where}: expected a finite number, got {type(value).__name__} {value!r:.80}")
     return float(value)
+
+
+def _steps(value: Any, text_len: int, where: str) -> list[tuple[int, float]]:
+    """A dict reward's ``"steps"``, checked: a non-empty list of (end, reward) with integer ends in
+    [0, len(response)], non-decreasing, and finite rewards."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RewardError(f"{where}: expected a non-empty list of (end, reward) pairs, got {value!r:.120}")
+    out, prev = [], 0
+    for j, pair in enumerate(value):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise RewardError(f"{where}[{j}]: expected an (end, reward) pair, got {pair!r:.80}")
+        end, reward = pair
+        if isinstance(end, bool) or not isinstance(end, numbers.Integral) or not prev <= end <= text_len:
+            raise RewardError(f"{where}[{j}]: end must be an integer character offset in [{prev}, {text_len}] "
+                              f"(non-decreasing, within the response), got {end!r}")
+        out.append((int(end), _number(reward, f"{where}[{j}] reward")))
+        prev = int(end)
+    return out

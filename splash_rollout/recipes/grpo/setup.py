@@ -25,11 +25,12 @@ from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.recipes.grpo import checkpoint as ckpt
 from splash_rollout.recipes.grpo.build import (build_engine_with_weights, build_policy, eval_config, load_reference,
                                                loss_config, lr_schedule, max_prompt_len, model_source,
-                                               oversample_config, partial_rollout_config, sft_config, tool_env,
-                                               trainer_config)
+                                               oversample_config, partial_rollout_config, sft_config,
+                                               supervision_config, tool_env, trainer_config)
 from splash_rollout.recipes.grpo.engine_memory import EngineMemory
 from splash_rollout.recipes.grpo.evaluation import EvalConfig, evaluate_per_prompt
 from splash_rollout.recipes.grpo.loss import GRPOLossConfig
+from splash_rollout.recipes.grpo.process_credit import Supervision
 from splash_rollout.recipes.grpo.multi_turn import MultiTurnEngine
 from splash_rollout.recipes.grpo.partial_rollout import Carry
 from splash_rollout.recipes.grpo.reward_fns import RewardFunction
@@ -56,6 +57,8 @@ class GRPORun:
     evaluation: EvalConfig
     data: TaskData
     losses: GRPOLossConfig
+    supervision: Supervision
+    """Per-sample (outcome) or per-token (process) advantages."""
     schedule: Any
     """The learning-rate schedule (``lr_at(step)``, ``to_dict()``)."""
     trainer: Trainer
@@ -187,6 +190,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
     reward_fn.probe(data.train[0])
     schedule = lr_schedule(cfg)
     losses = loss_config(cfg)
+    supervision = supervision_config(cfg, losses)
     if losses.kl_coef > 0 and g.ref_path and not os.path.exists(g.ref_path):
         raise FileNotFoundError(f"grpo.ref_path: {g.ref_path!r} does not exist")
     policy = build_policy(cfg)
@@ -265,7 +269,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
     sampling = SamplingParams(n=g.n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
                               stop_token_ids=stop_ids)
     return GRPORun(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, tokenizer=tokenizer,
-                   reward_fn=reward_fn, evaluation=evaluation, data=data, losses=losses, schedule=schedule,
+                   reward_fn=reward_fn, evaluation=evaluation, data=data, losses=losses, supervision=supervision, schedule=schedule,
                    trainer=trainer, ref_model=ref_model, own_reference=own_reference, update=update,
                    engine=engine, rollout=rollout,
                    engine_memory=EngineMemory(release=bool(cfg.engine.sleep_during_train)),

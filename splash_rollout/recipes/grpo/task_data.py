@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from splash_rollout.recipes.grpo.data import ChainTaskConfig, make_dataset
+from splash_rollout.recipes.grpo.data import ChainTaskConfig, make_dataset, without_answer
 from splash_rollout.recipes.grpo.rows import DataRowError, EmptySplitError, check_rows, get_path, read_rows, split_rows
 
 CHAT_MODES = ("auto", "always", "never")
@@ -152,7 +152,12 @@ def _sft_examples(d: DictConfig, tokenizer, train: list[Example], count: int) ->
         return []
     if d.kind == "arith_chain":  # fresh chains of their own seed, as many as SFT consumes
         task = ChainTaskConfig(**OmegaConf.to_container(d.task, resolve=True))
-        return [Example(render_prompt(r["prompt"], tokenizer, d.chat_template), r, r["answer"], r["solution"], "sft", i)
+        marked = float(d.sft_answer_marked)
+        if not 0.0 <= marked <= 1.0:
+            raise ValueError(f"data.sft_answer_marked: expected a fraction in [0, 1], got {marked}")
+        style = random.Random(d.sft_seed * 7919 + 1)  # which demonstrations state the answer
+        return [Example(render_prompt(r["prompt"], tokenizer, d.chat_template), r, r["answer"],
+                        r["solution"] if style.random() < marked else without_answer(r["solution"]), "sft", i)
                 for i, r in enumerate(make_dataset(count, d.sft_seed, task))]
     if not d.get("sft_key"):
         raise ValueError("sft.steps > 0 needs data.sft_key (the row's reference response); or set sft.steps=0")

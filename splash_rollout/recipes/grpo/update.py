@@ -85,16 +85,18 @@ def shape_rewards(rewards: torch.Tensor, batch: RolloutBatch, config: UpdateConf
     return shaped.view_as(rewards), stats
 
 
-def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor, config: UpdateConfig,
+def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor | list[list[float]], config: UpdateConfig,
                 pad_id: int, step: int, ref_model: torch.nn.Module | None = None,
                 policy_version: int | None = None) -> dict[str, float]:
     """``config.minibatches`` optimizer steps over the rollout batch; this rank trains on samples
-    ``rank::world`` of each minibatch. ``policy_version``: the weight version being trained; tokens
+    ``rank::world`` of each minibatch. ``advantages``: [num_groups, n] per sample, or per sample (group
+    order) a [num_response_tokens] list (process supervision). ``policy_version``: the weight version being trained; tokens
     sampled under an older one (partial rollout) carry their own policy's logprobs, which the ratio
     (and the off-policy correction) is taken against, and are left out of
     ``train/logprob_diff_max`` (a check of the engine against the trainer on the same weights)."""
     samples = batch.samples
-    adv = advantages.flatten().tolist()
+    per_token_adv = isinstance(advantages, list)  # process supervision: a list per sample
+    adv = advantages if per_token_adv else advantages.flatten().tolist()
     order = list(range(len(samples)))
     if config.shuffle_minibatches:
         random.Random(config.seed * 1_000_033 + step).shuffle(order)
@@ -115,7 +117,7 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
             # sample with nothing to train, so every rank makes the same number of backward passes
             ids = [idx[j] for j in plan] or idx[:1]
             chunk = [samples[i] for i in ids]
-            per_sample = {"advantages": [adv[i] if plan else 0.0 for i in ids]}
+            per_sample = {} if per_token_adv else {"advantages": [adv[i] if plan else 0.0 for i in ids]}
             if loss_cfg.loss_agg == "seq_mean":
                 per_sample["weights"] = [sample_weight(sum(masks[i]), "seq_mean") for i in ids]
             mb = collate([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id,
@@ -123,7 +125,9 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor,
                          per_token={"old_logprobs": [s.response_logprobs for s in chunk],
                                     "on_policy": [[float(v == policy_version) for v in s.versions] if
                                                   policy_version is not None else [1.0] * len(s.response_ids)
-                                                  for s in chunk]},
+                                                  for s in chunk],
+                                    **({"advantages": [adv[i] if plan else [0.0] * len(samples[i].response_ids)
+                                                       for i in ids]} if per_token_adv else {})},
                          per_sample=per_sample)
             if config.routing_replay:
                 mb.extras["routing"], mb.extras["routing_replayed"] = replay_table(chunk, mb.input_ids.shape[1])
