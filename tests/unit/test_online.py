@@ -181,29 +181,42 @@ def test_steps_of_one_signature_share_thetas_price():
     assert len(built) == 4 and pol.correction.num_observations == 2 * REPRICE_STEPS + 2
 
 
-def test_a_layout_never_run_must_lead_by_more_than_its_doubt():
+def test_a_layout_never_run_is_explored_not_ruled_out_by_its_doubt():
     """In TP, one decode request: θ says DP-attention is 11 % faster. Without doubt the policy moves;
-    with TP observed at θ's price and DP never run (doubt 0.2 ≈ 22 %), it stays, and says why."""
+    with TP observed at θ's price and DP never run (doubt 0.2 ≈ 22 %), exploring off, it stays and
+    says why. Exploring on, it tries DP (rule explore); once DP's measured steps show it 30 % slower
+    than θ said, it is no longer tried."""
+    import dataclasses
+
     import torch
 
     from splash_rollout.models.config import resolve_model
     from splash_rollout.rollout.config import EngineConfig
     from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.scheduling.policy import DecisionRule
 
-    def policy(spread):
+    def policy(spread, explore=8):
         base = make_policy(EngineConfig(**AUTO_ON_TWO), resolve_model("glm5-nano"), 2,
                            2**28, torch.float32)
-        return LayoutPolicy(base.dep, base.config, StepTimeCorrection(CorrectionConfig(layout_spread=spread)))
+        config = dataclasses.replace(base.config, explore_observations=explore)
+        return LayoutPolicy(base.dep, config, StepTimeCorrection(CorrectionConfig(layout_spread=spread)))
 
     batch = StepBatch.make([400], 1, [0])
-    trusting, doubting = policy(0.0), policy(0.2)
-    for pol in (trusting, doubting):
+    trusting, doubting, exploring = policy(0.0), policy(0.2, explore=0), policy(0.2)
+    for pol in (trusting, doubting, exploring):
         tp_s = pol.decide(Layout.TP, batch, [100], 100).prior_step_costs["tp"]
         for _ in range(64):
             pol.observe_step(Layout.TP, batch, tp_s)
     assert trusting.decide(Layout.TP, batch, [100], 100).chosen is Layout.DP
     d = doubting.decide(Layout.TP, batch, [100], 100)
     assert d.chosen is Layout.TP and not d.switch and "doubt" in d.reason, d.reason
+    d = exploring.decide(Layout.TP, batch, [100], 100)
+    assert d.chosen is Layout.DP and d.switch and d.rule is DecisionRule.EXPLORE and "0 of 8" in d.reason, d.reason
+    dp_s = d.prior_step_costs["dp"]
+    for _ in range(8):
+        exploring.observe_step(Layout.DP, batch, 1.3 * dp_s)
+    d = exploring.decide(Layout.TP, batch, [100], 100)
+    assert d.chosen is Layout.TP and d.rule is not DecisionRule.EXPLORE, d.reason
 
 
 def test_a_measured_stay_ends_its_dwell_for_a_switch_that_pays_many_times_over():
