@@ -32,7 +32,11 @@ def test_hand_computed_four_levels():
     assert f.seconds("dp", "decode/b4", COMPUTE) == pytest.approx(1.2 * math.exp(7 * r / 8))
     assert f.seconds("dp", "prefill/b4", COMPUTE) == pytest.approx(1.2 * math.exp(3 * r / 4))  # no shape level
     assert f.seconds("tp", "decode/b4", COMPUTE) == pytest.approx(1.2 * math.exp(r / 2))  # not run: shared levels
-    assert f.uncertainty("tp") == pytest.approx(0.2) and f.uncertainty("dp") == pytest.approx(0.2 * math.sqrt(0.5))
+    # doubt: prior spread 0.2; each step's residual about the fit is r - g - a - b = r/8, so
+    # σ² = (8 (r/8)² + 8 · 0.2²) / 16 and dp's 8 steps leave 1 / sqrt(1/0.2² + 8/σ²)
+    noise2 = (8 * (r / 8) ** 2 + 8 * 0.04) / 16
+    assert f.uncertainty("tp") == pytest.approx(0.2)
+    assert f.uncertainty("dp") == pytest.approx(1 / math.sqrt(25 + 8 / noise2))
     d = f.to_dict()
     assert d["stage"]["compute"] == 1.2 and d["observations"] == {"dp": 8}
 

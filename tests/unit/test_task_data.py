@@ -125,3 +125,19 @@ def test_reasoning_gym_task_as_chat_prompts():
     assert TOK.decode(first.prompt_ids) == f"<|user|>\n{first.row['question']}\n<|assistant|>\n"
     assert first.label == first.row["answer"] == first.target
     assert first.row["metadata"]["source_dataset"] == "basic_arithmetic"
+
+
+def test_sft_answer_marked_is_the_share_of_demonstrations_stating_the_answer():
+    from splash_rollout.run import compose_config
+
+    def targets(marked):
+        cfg = compose_config(["+recipe=grpo_glm5", f"data.sft_answer_marked={marked}", "data.eval_size=0"])
+        return [ex.target for ex in build_task_data(cfg.data, TOK, None, need_eval=False, sft_examples=400,
+                                                    fresh_prompts=4).sft]
+
+    full, quarter, none = targets(1.0), targets(0.25), targets(0.0)
+    assert all("#" in t for t in full) and not any("#" in t for t in none)
+    assert [t.split("#")[0] for t in full] == none  # the same chains, stopped at their last step
+    assert 0.18 < sum("#" in t for t in quarter) / 400 < 0.32
+    with pytest.raises(ValueError, match="data.sft_answer_marked"):
+        targets(1.5)
