@@ -340,11 +340,17 @@ class LayoutPolicy:
 
     def _explore(self, b: Board, stay: Stay) -> Decision | None:
         """The fastest layout at its corrected price (before doubt), measured fewer than
-        ``explore_observations`` steps and kept out by its doubt alone, when the current one fits,
-        its stay is past the dwell, and the candidate's lead and saving pass the margins a switch must."""
+        ``explore_observations`` steps and kept out by its doubt alone, when the current one fits and
+        the candidate's lead and saving pass the margins a switch must (inside a measured dwell, its
+        ``dwell_break_factor``; inside an unmeasured one, never)."""
         cfg, factors = self.config, (self.correction.factors() if self.correction is not None else None)
-        if factors is None or not cfg.explore_observations or not b.current_fits or self._young(b, stay):
+        if factors is None or not cfg.explore_observations or not b.current_fits:
             return None
+        payback = 1.0  # inside a measured dwell, as in rule 7: the saving must pay its factor
+        if self._young(b, stay):
+            if not self._measured(stay):
+                return None
+            payback = cfg.dwell_break_factor
         cand = min(b.feasible, key=lambda l: b.eff[l])
         seen = factors.observations.get(cand.value, 0)
         if cand is b.current or not b.doubt[cand] or seen >= cfg.explore_observations:
@@ -354,13 +360,15 @@ class LayoutPolicy:
             return None  # it leads even after its doubt: rule 7's to judge
         sc = self.pricer.switch_cost(b.current, cand, b.batch, b.costs[cand])
         price = sc.overlapped_s * (2.0 if cfg.round_trip else 1.0)
-        if (b.eff[cand] > cur_eff * (1.0 - cfg.rel_margin) or lead * b.horizon <= price + cfg.abs_margin_s
+        if (b.eff[cand] > cur_eff * (1.0 - cfg.rel_margin) or lead * b.horizon <= payback * (price + cfg.abs_margin_s)
                 or not self.fit.holds_switch(cand, b.hold, b.batch.owners, sc.layer_buffer_bytes)):
             return None
-        why = (f"explore {cand.value}: {seen} of {cfg.explore_observations} steps measured; at its corrected price "
-               f"it leads by {lead / cur_eff:.1%} and saves {lead * b.horizon * 1e3:.1f} ms over {b.horizon:.0f} "
-               f"steps > switch {price * 1e3:.2f} ms (round trip) -- its {b.doubt[cand]:.0%} doubt is for "
-               f"measuring, not assuming")
+        times = f"{payback:g} x " if payback != 1.0 else ""
+        dwell = f"dwell {stay.steps}/{cfg.min_dwell_steps} steps, {stay.measured} measured; " if payback != 1.0 else ""
+        why = (f"{dwell}explore {cand.value}: {seen} of {cfg.explore_observations} steps measured; at its corrected "
+               f"price it leads by {lead / cur_eff:.1%} and saves {lead * b.horizon * 1e3:.1f} ms over "
+               f"{b.horizon:.0f} steps > {times}switch {price * 1e3:.2f} ms (round trip) -- its "
+               f"{b.doubt[cand]:.0%} doubt is for measuring, not assuming")
         return b.decision(cand, DecisionRule.EXPLORE, why, sc)
 
     def _current_fastest(self, b: Board, stay: Stay) -> Decision | None:
