@@ -44,8 +44,9 @@ log residuals about the fitted factors, with ``layout_prior_steps`` pseudo-steps
 The policy asks a candidate to lead by that much more before it switches into it, so a preset's
 promise about a layout never run has to be a large one; a layout whose steps have been measured is
 doubted only as much as the measurements' noise leaves (a fixed sqrt(k / (n + k)) shrinkage kept 11 %
-of doubt after 19 steps that agreed with θ, and with it a 12-15 % lead out). Each cell keeps its last ``window_steps`` observations, so the estimate follows a
-machine whose speed drifts (other work on the same cores), and the fit costs O(observations kept).
+of doubt after 19 steps that agreed with θ, and with it a 12-15 % lead out). Each cell keeps its
+last ``window_steps`` observations, so the estimate follows a machine whose speed drifts (other work
+on the same cores), and the fit costs O(observations kept).
 Switching steps carry the switch's transfers and are not observed (the caller skips them).
 """
 from __future__ import annotations

@@ -85,15 +85,15 @@ def shape_rewards(rewards: torch.Tensor, batch: RolloutBatch, config: UpdateConf
     return shaped.view_as(rewards), stats
 
 
-def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor | list[list[float]], config: UpdateConfig,
-                pad_id: int, step: int, ref_model: torch.nn.Module | None = None,
+def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor | list[list[float]],
+                config: UpdateConfig, pad_id: int, step: int, ref_model: torch.nn.Module | None = None,
                 policy_version: int | None = None) -> dict[str, float]:
     """``config.minibatches`` optimizer steps over the rollout batch; this rank trains on samples
-    ``rank::world`` of each minibatch. ``advantages``: [num_groups, n] per sample, or per sample (group
-    order) a [num_response_tokens] list (process supervision). ``policy_version``: the weight version being trained; tokens
-    sampled under an older one (partial rollout) carry their own policy's logprobs, which the ratio
-    (and the off-policy correction) is taken against, and are left out of
-    ``train/logprob_diff_max`` (a check of the engine against the trainer on the same weights)."""
+    ``rank::world`` of each minibatch. ``advantages``: [num_groups, n] per sample, or per sample
+    (group order) a [num_response_tokens] list (process supervision). ``policy_version``: the weight
+    version being trained; tokens sampled under an older one (partial rollout) carry their own
+    policy's logprobs, which the ratio (and the off-policy correction) is taken against, and are left
+    out of ``train/logprob_diff_max`` (a check of the engine against the trainer on the same weights)."""
     samples = batch.samples
     per_token_adv = isinstance(advantages, list)  # process supervision: a list per sample
     adv = advantages if per_token_adv else advantages.flatten().tolist()
