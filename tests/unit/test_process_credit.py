@@ -71,6 +71,7 @@ def test_chain_reward_returns_steps_and_bad_user_steps_are_named(tmp_path, monke
     ex = Example([5], {"answer": 6, "solution": REF}, 6, None, "train", 4)
     scored = _reward("chain")([REF, "#5"], [ex, ex], [[], []])
     assert scored.steps == [chain_steps(REF, 6, REF), [(2, 0.0)]]
+    assert scored.extras["answered"] == [1.0, 1.0] and _reward("chain")(["3+4=7"], [ex], [[]]).extras["answered"] == [0.0]
     (tmp_path / "bad_steps.py").write_text(textwrap.dedent("""
         def backwards(response, row, token_ids):
             return {"reward": 1.0, "steps": [(3, 1.0), (1, 0.0)]}

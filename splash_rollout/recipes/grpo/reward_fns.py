@@ -61,6 +61,7 @@ def _builtin(name: str, r: DictConfig) -> Callable[[str, Example, list[int]], An
     if name == "chain":  # answer + exact intermediate steps of the arithmetic chain
         return lambda text, ex, ids: {"reward": chain_score(text, ex.label, ex.row["solution"], r.answer_weight),
                                       "correct": float(parse_answer(text) == int(ex.label)),
+                                      "answered": float(parse_answer(text) is not None),  # reward/answered/mean
                                       "steps": chain_steps(text, ex.label, ex.row["solution"])}
     if name == "answer":  # the chain's final answer only
         return lambda text, ex, ids: {"reward": score(text, ex.label, r.format_reward),
