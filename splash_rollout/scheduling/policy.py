@@ -346,11 +346,9 @@ class LayoutPolicy:
         cfg, factors = self.config, (self.correction.factors() if self.correction is not None else None)
         if factors is None or not cfg.explore_observations or not b.current_fits:
             return None
-        payback = 1.0  # inside a measured dwell, as in rule 7: the saving must pay its factor
-        if self._young(b, stay):
-            if not self._measured(stay):
-                return None
-            payback = cfg.dwell_break_factor
+        payback = self._payback(b, stay)  # inside a measured dwell, as in rule 7: the dwell's factor
+        if payback is None:
+            return None
         cand = min(b.feasible, key=lambda l: b.eff[l])
         seen = factors.observations.get(cand.value, 0)
         if cand is b.current or not b.doubt[cand] or seen >= cfg.explore_observations:
@@ -358,8 +356,7 @@ class LayoutPolicy:
         cur_eff, lead = b.current_eff, b.current_eff - b.eff[cand]
         if b.eff[cand] * math.exp(b.doubt[cand]) <= cur_eff * (1.0 - cfg.rel_margin):
             return None  # it leads even after its doubt: rule 7's to judge
-        sc = self.pricer.switch_cost(b.current, cand, b.batch, b.costs[cand])
-        price = sc.overlapped_s * (2.0 if cfg.round_trip else 1.0)
+        sc, price = self._switch_price(b, cand)
         if (b.eff[cand] > cur_eff * (1.0 - cfg.rel_margin) or lead * b.horizon <= payback * (price + cfg.abs_margin_s)
                 or not self.fit.holds_switch(cand, b.hold, b.batch.owners, sc.layer_buffer_bytes)):
             return None
@@ -370,6 +367,18 @@ class LayoutPolicy:
                f"{b.horizon:.0f} steps > {times}switch {price * 1e3:.2f} ms (round trip) -- its "
                f"{b.doubt[cand]:.0%} doubt is for measuring, not assuming")
         return b.decision(cand, DecisionRule.EXPLORE, why, sc)
+
+    def _payback(self, b: Board, stay: Stay) -> float | None:
+        """How many round-trip switch costs a switch's saving must cover: 1, the dwell's factor inside
+        a measured dwell, None inside an unmeasured one (no switch by saving)."""
+        if not self._young(b, stay):
+            return 1.0
+        return self.config.dwell_break_factor if self._measured(stay) else None
+
+    def _switch_price(self, b: Board, cand: Layout) -> tuple[SwitchCost, float]:
+        """(the switch into ``cand``, its exposed seconds as charged: twice with ``round_trip``)."""
+        sc = self.pricer.switch_cost(b.current, cand, b.batch, b.costs[cand])
+        return sc, sc.overlapped_s * (2.0 if self.config.round_trip else 1.0)
 
     def _current_fastest(self, b: Board, stay: Stay) -> Decision | None:
         if not (b.current_fits and b.order[0][2] is b.current):
@@ -407,14 +416,14 @@ class LayoutPolicy:
     def _paying_switch(self, b: Board, stay: Stay) -> Decision:
         """The fastest candidate whose saving over the horizon pays ``payback`` x its switch, or keep."""
         cfg = self.config
-        reasons, payback = [], 1.0  # how many round-trip switch costs a switch's saving must cover
-        if self._young(b, stay):  # a measured stay (else the dwell rule kept it): its dwell is a factor
-            payback = cfg.dwell_break_factor
+        reasons = []
+        payback = self._payback(b, stay) or cfg.dwell_break_factor  # None: the dwell rule kept it already
+        if self._young(b, stay):  # a measured stay: its dwell is a factor
             reasons.append(f"dwell {stay.steps}/{cfg.min_dwell_steps} steps, {stay.measured} measured: "
                            f"a switch must pay {payback:g}x its cost")
         cur_eff = b.current_eff
         for seconds, cand in b.faster_than_current():
-            sc = self.pricer.switch_cost(b.current, cand, b.batch, b.costs[cand])
+            sc, price = self._switch_price(b, cand)
             if not self.fit.holds_switch(cand, b.hold, b.batch.owners, sc.layer_buffer_bytes):
                 reasons.append(f"{cand.value}: no headroom for one layer's buffers")
                 continue
@@ -424,7 +433,6 @@ class LayoutPolicy:
                 reasons.append(f"{cand.value} leads by {lead / cur_eff:.1%}{unsure} < {cfg.rel_margin:.0%}")
                 break
             gain = lead * b.horizon
-            price = sc.overlapped_s * (2.0 if cfg.round_trip else 1.0)
             if gain <= payback * (price + cfg.abs_margin_s):
                 times = f"{payback:g} x " if payback != 1.0 else ""
                 reasons.append(f"{cand.value} saves {gain * 1e3:.2f} ms over {b.horizon:.0f} steps <= {times}(switch "
