@@ -77,17 +77,17 @@ class Comm:
         self.channel = channel if world_size > 1 else None
         """A ``ShmChannel`` over the same ranks, or None (every collective through ``group``)."""
 
-    def _via_channel(self, tensor: torch.Tensor, nbytes: int) -> bool:
+    def _via_channel(self, tensor: torch.Tensor, row_bytes: int = 0) -> bool:
         """Whether this operation goes through shared memory (the same answer on every rank: it
         depends only on shapes and dtypes every rank agrees on)."""
-        return self.channel is not None and tensor.device.type == "cpu" and self.channel.fits(nbytes)
+        return self.channel is not None and tensor.device.type == "cpu" and self.channel.rows_fit(row_bytes)
 
     # ---- all-reduce -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, tag: str = "step") -> torch.Tensor:
         """Sum in place over the group. tensor: any shape; returns it."""
         t = self.world_size
         if t > 1:
-            if tensor.is_contiguous() and self._via_channel(tensor, tensor.numel() * tensor.element_size()):
+            if tensor.is_contiguous() and self._via_channel(tensor):
                 self.channel.all_reduce_(tensor)
             else:
                 dist.all_reduce(tensor, group=self.group)
@@ -111,14 +111,13 @@ class Comm:
         if t == 1:
             out = local.clone()
             return Pending(None, lambda: out) if async_op else out
+        if not async_op and self._via_channel(local, row_bytes):
+            out = local.new_empty((sum(sizes),) + row_shape)
+            return self.channel.all_gather_rows_(out, local, sizes)
         most = max(sizes)
         padded = local.new_zeros((most,) + row_shape)
         padded[: sizes[r]] = local
         gathered = local.new_empty((t * most,) + row_shape)
-        if not async_op and self._via_channel(padded, most * row_bytes):
-            self.channel.all_gather_(gathered, padded)
-            pieces = [gathered[q * most: q * most + sizes[q]] for q in range(t)]
-            return torch.cat(pieces, dim=0)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         work = gather(gathered, padded, group=self.group, async_op=async_op)
 
@@ -127,6 +126,26 @@ class Comm:
             return torch.cat(pieces, dim=0)
 
         return Pending(work, finish) if async_op else finish()
+
+    # ---- uneven reduce-scatter ---------------------------------------------------------------
+    def reduce_scatter_uneven(self, full: torch.Tensor, sizes: Sequence[int], tag: str = "step") -> torch.Tensor:
+        """This rank's rows of the sum over the group: full [sum(sizes), *row] (the same shape on every
+        rank) -> [sizes[rank], *row], rows [sum(sizes[:rank]), ...) of the sum, added in rank order
+        (the same bits ``all_reduce`` gives those rows)."""
+        t, r = self.world_size, self.rank
+        if len(sizes) != t or full.shape[0] != sum(sizes):
+            raise ValueError(f"reduce_scatter_uneven: rank {r} holds {full.shape[0]} rows, sizes say {list(sizes)}")
+        lo = sum(sizes[:r])
+        if t == 1:
+            return full
+        row_shape, row_bytes = tuple(full.shape[1:]), _row_bytes(full)
+        self.counter.add(tag, (full.shape[0] - sizes[r]) * row_bytes, sizes[r] * row_bytes * (t - 1))
+        if self._via_channel(full, row_bytes):
+            out = full.new_empty((sizes[r],) + row_shape)
+            return self.channel.reduce_scatter_rows_(out, full, sizes)
+        summed = full.contiguous().clone()
+        dist.all_reduce(summed, group=self.group)
+        return summed[lo: lo + sizes[r]]
 
     # ---- uneven all-to-all ------------------------------------------------------------------
     def all_to_all_uneven(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],

@@ -39,7 +39,8 @@ import torch
 
 LINE_BYTES = 64
 DEFAULT_SLOT_BYTES = 1 << 20
-"""Largest contribution of one rank to one operation (1 MiB); larger ones use the process group."""
+"""Bytes of one rank's contribution to one operation (1 MiB); larger reductions and gathers move in
+slot-sized pieces, one operation each."""
 SPIN_S = 1e-3
 """Poll (yielding the core to anyone who wants it) this long before napping; most waits inside a step are shorter."""
 MAX_NAP_S = 1e-3
@@ -132,40 +133,108 @@ class ShmChannel:
             self._wait(self.seq - 1, range(self.world_size), what)
         return self.seq
 
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.slot_bytes
-
     # ---- operations -----------------------------------------------------------------------
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` (contiguous, CPU, at most ``slot_bytes``) over the ranks in place, adding
-        the contributions in rank order on every rank."""
+        """Sum ``tensor`` (contiguous, CPU, any size) over the ranks in place, adding the
+        contributions in rank order on every rank. A tensor larger than a slot moves in slot-sized
+        pieces, one operation each (every rank agrees on the count: it depends on the shape only)."""
         flat = tensor.view(-1)
-        nbytes = flat.numel() * flat.element_size()
+        per_op = max(self.slot_bytes // flat.element_size(), 1)
+        for start in range(0, max(flat.numel(), 1), per_op):
+            self._all_reduce_piece(flat[start: start + per_op])
+        return tensor
+
+    def _all_reduce_piece(self, piece: torch.Tensor) -> None:
+        nbytes = piece.numel() * piece.element_size()
         seq = self._begin("all_reduce")
-        self._slot(seq, self.rank)[:nbytes].copy_(flat.view(torch.uint8))
+        self._slot(seq, self.rank)[:nbytes].copy_(piece.view(torch.uint8))
         self._publish(seq)
         self._wait(seq, range(self.world_size), "all_reduce")
-        parts = [self._slot(seq, q)[:nbytes].view(flat.dtype) for q in range(self.world_size)]
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        flat.copy_(total)
-        return tensor
+        parts = [self._slot(seq, q)[:nbytes].view(piece.dtype) for q in range(self.world_size)]
+        if len(parts) == 1:
+            piece.copy_(parts[0])
+            return
+        torch.add(parts[0], parts[1], out=piece)  # the same bits as summing rank 0, then 1, ...
+        for part in parts[2:]:
+            piece += part
 
     def all_gather_(self, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``out`` [T * n, ...] gets every rank's ``local`` [n, ...] (same shape on every rank) in rank order."""
-        flat = local.contiguous().view(-1)
-        nbytes = flat.numel() * flat.element_size()
-        seq = self._begin("all_gather")
-        self._slot(seq, self.rank)[:nbytes].copy_(flat.view(torch.uint8))
-        self._publish(seq)
-        self._wait(seq, range(self.world_size), "all_gather")
-        if nbytes == 0:  # nothing to move, but the operation still counts on every rank
-            return out
-        pieces = out.view(self.world_size, -1)
-        for q in range(self.world_size):
-            pieces[q].copy_(self._slot(seq, q)[:nbytes].view(flat.dtype))
+        return self.all_gather_rows_(out, local, [local.shape[0]] * self.world_size)
+
+    def all_gather_rows_(self, out: torch.Tensor, local: torch.Tensor, sizes) -> torch.Tensor:
+        """``out`` [sum(sizes), ...] gets every rank's ``local`` [sizes[rank], ...] in rank order (no
+        padding). Rows move in slot-sized pieces: operation k carries rows [k*c, (k+1)*c) of every
+        rank, c = rows per slot; the number of operations depends only on ``sizes`` and the row
+        shape, which every rank agrees on. A row wider than a slot raises ValueError before any
+        operation (the caller checks ``rows_fit`` first)."""
+        row_elems = 1
+        for d in local.shape[1:]:
+            row_elems *= d
+        row_bytes = row_elems * local.element_size()
+        if not self.rows_fit(row_bytes):
+            raise ValueError(f"all_gather_rows_: a row of {row_bytes} bytes exceeds the {self.slot_bytes}-byte slot")
+        flat = local.contiguous().view(local.shape[0], row_elems).view(torch.uint8)  # [n, row_bytes]
+        dst = out.view(out.shape[0], row_elems).view(torch.uint8)  # [sum(sizes), row_bytes]
+        per_op = max(self.slot_bytes // max(row_bytes, 1), 1)
+        starts = [sum(sizes[:q]) for q in range(self.world_size)]
+        for first in range(0, max(max(sizes), 1), per_op):
+            seq = self._begin("all_gather")
+            mine = flat[first: first + per_op]
+            if mine.numel():
+                self._slot(seq, self.rank)[: mine.numel()].copy_(mine.reshape(-1))
+            self._publish(seq)
+            self._wait(seq, range(self.world_size), "all_gather")
+            for q in range(self.world_size):
+                rows = max(min(sizes[q] - first, per_op), 0)
+                if rows:
+                    at = starts[q] + first
+                    dst[at: at + rows].copy_(self._slot(seq, q)[: rows * row_bytes].view(rows, row_bytes))
         return out
+
+    def reduce_scatter_rows_(self, out: torch.Tensor, full: torch.Tensor, sizes) -> torch.Tensor:
+        """``out`` [sizes[rank], ...] gets rows [sum(sizes[:rank]), ...) of the sum over ranks of
+        ``full`` [sum(sizes), ...], added in rank order (the bits an all-reduce gives those rows).
+        Operation k carries rows [k*c, (k+1)*c) of ``full``, c = rows per slot; a rank writes only
+        the rows the others read and reads its own rows from ``full``."""
+        row_elems = 1
+        for d in full.shape[1:]:
+            row_elems *= d
+        row_bytes = row_elems * full.element_size()
+        if not self.rows_fit(row_bytes):
+            raise ValueError(f"reduce_scatter_rows_: a row of {row_bytes} bytes exceeds the {self.slot_bytes}-byte slot")
+        src = full.contiguous().view(full.shape[0], row_elems)  # [N, row]
+        dst = out.view(out.shape[0], row_elems)  # [n, row]
+        per_op = max(self.slot_bytes // max(row_bytes, 1), 1)
+        lo = sum(sizes[: self.rank])
+        hi = lo + sizes[self.rank]
+        for first in range(0, max(src.shape[0], 1), per_op):
+            last = min(first + per_op, src.shape[0])
+            seq = self._begin("reduce_scatter")
+            slot = self._slot(seq, self.rank)[: (last - first) * row_bytes].view(full.dtype).view(-1, row_elems)
+            for a, b in ((first, min(last, lo)), (max(first, hi), last)):  # the rows around this rank's own
+                if a < b:
+                    slot[a - first: b - first].copy_(src[a:b])
+            self._publish(seq)
+            self._wait(seq, range(self.world_size), "reduce_scatter")
+            a, b = max(first, lo), min(last, hi)
+            if a >= b:
+                continue
+            parts = [src[a:b] if q == self.rank else
+                     self._slot(seq, q)[: (last - first) * row_bytes].view(full.dtype).view(-1, row_elems)[a - first: b - first]
+                     for q in range(self.world_size)]
+            target = dst[a - lo: b - lo]
+            if len(parts) == 1:
+                target.copy_(parts[0])
+                continue
+            torch.add(parts[0], parts[1], out=target)  # rank order, as all_reduce_ adds
+            for part in parts[2:]:
+                target += part
+        return out
+
+    def rows_fit(self, row_bytes: int) -> bool:
+        """Whether one row fits a slot (then any number of rows can be gathered here)."""
+        return row_bytes <= self.slot_bytes
 
     def all_to_all_(self, out: torch.Tensor, send: torch.Tensor, send_splits, recv_splits) -> bool:
         """Rows ``send[sum(send_splits[:q]) : ...]`` to rank q; ``out`` gets the rows from each rank in

@@ -1,7 +1,8 @@
 """ModelRunner: one forward step of the decoder over a ForwardBatch, with paged KV.
 
-The runner owns the layer loop (embedding → per layer: attention via the executor, then the MLP →
-logits of the sampled rows). It never looks at the layout: the attention executor does.
+The runner owns the layer loop (embedding → per layer: attention, then the feed-forward block →
+logits of the sampled rows). It never looks at the layout: the executor says which rows this rank
+carries and runs both blocks' collectives.
 """
 from __future__ import annotations
 
@@ -21,14 +22,13 @@ class ModelRunner:
         """→ logits [R, vocab] for ``batch.sample_rows`` (None when ``logits`` is False: ranks
         other than the driver run the layers for their collectives but sample nothing).
         ``before_layer(i)``: called before layer i runs (a live switch installs layer i's state)."""
-        decoder = self.model.model
+        decoder, executor = self.model.model, self.executor
         with forward_context(batch):
-            h = decoder.embed_tokens(batch.input_ids)  # [N, hidden]
+            rows = executor.local_rows(batch)
+            h = decoder.embed_tokens(batch.input_ids if rows is None else batch.input_ids[rows])  # [n, hidden]
             for i, layer in enumerate(decoder.layers):
                 if before_layer is not None:
                     before_layer(i)
-                h = h + self.executor.forward(layer.self_attn, layer.input_layernorm(h), batch)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if not logits:
-                return None
-            return self.model.compute_logits(h.index_select(0, batch.sample_rows))
+                h = h + executor.forward(layer.self_attn, layer.input_layernorm(h), batch)
+                h = h + executor.feed_forward(layer.mlp, layer.post_attention_layernorm(h), batch)
+            return executor.sample_logits(h, batch, self.model.compute_logits, wanted=logits)  # [R, vocab] or None

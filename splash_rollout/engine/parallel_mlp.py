@@ -2,8 +2,10 @@
 
 Dense MLPs run tensor-parallel (gate/up rows and down columns split over ranks); routed experts are
 spread over ranks (rank r holds experts [r*E/T, (r+1)*E/T)) and the shared expert runs
-tensor-parallel. Every rank sees all rows (hidden states are replicated between blocks), computes
-its partial sum, and one all-reduce completes the block. ``shard_feed_forward`` replaces the
+tensor-parallel. Every rank runs its shard on all rows and computes its partial sum; one all-reduce
+completes the block where hidden states are replicated between blocks (TP, DOP, CP), and under
+DP-attention the executor gathers the block's input rows and reduce-scatters the partials instead
+(``executors/dp.py``). ``shard_feed_forward`` replaces the
 model's full blocks by these so each rank holds only its share of the weights.
 """
 from __future__ import annotations

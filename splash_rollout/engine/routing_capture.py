@@ -3,7 +3,7 @@
 With ``EngineConfig(return_routing=True)`` every step's forward on rank 0 runs inside a routing
 capture (``models.moe.routing_context``); the captured ids of the step's rows are split by request
 and kept by position until the request's result is built (``take``). The router is replicated on
-every rank and sees every row (hidden states are replicated between blocks), so rank 0's capture is
+every rank and sees every row (the feed-forward block runs on every row of the step in every layout), so rank 0's capture is
 the whole step's routing in every layout. Rows are written by position, so a position computed
 again (a recomputed prefix) keeps its latest routing. Costs num_positions x moe_layers x top_k
 int16 per request while it runs.

@@ -320,6 +320,12 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     sharded = layout.shards_projections
     rows_sh = float(ceil_div(int(n), t))
     ar_hidden = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
+    # the feed-forward block's closing collective: an all-reduce where hidden states are replicated
+    # between blocks; this package's DP-attention carries only its own rows, so a reduce-scatter
+    # (half the bytes) after the all-gather of the block's input (priced as the attention block's
+    # collective below). The published engines' profiles keep the all-reduce they were fitted with.
+    mlp_comm = (p.all_reduce.time(n * hd * ACT * (t - 1) / t) if layout is Layout.DP and t > 1 and ref
+                else ar_hidden)
 
     # collectives of the attention block (per layer; the indexer part only on full layers)
     frac = (t - 1) / t
@@ -405,7 +411,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                 + att_elements,
                 "attn_comm": comm + (comm_idx if full_idx else 0.0),
                 "mlp": moe if is_moe else dense,
-                "mlp_comm": ar_hidden,
+                "mlp_comm": mlp_comm,
             }
             for name in st:
                 st[name] *= scale[name]

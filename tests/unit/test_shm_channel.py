@@ -63,6 +63,34 @@ def test_all_reduce_adds_in_rank_order_with_the_same_bits_on_every_rank(world_si
             assert torch.equal(out, expected)
 
 
+def test_tensors_larger_than_a_slot_move_in_pieces():
+    """A reduction of 3 slots' worth, an uneven gather and an uneven reduce-scatter of 305 rows (128 to
+    a slot) through a 4 KiB slot: the same result as one big operation (a reduce-scatter gives each
+    rank the bits an all-reduce gives its rows), and the rank that has no rows still takes part."""
+    world_size = 3
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(2500, generator=gen, dtype=torch.float32) for _ in range(world_size)]
+    expected = inputs[0] + inputs[1] + inputs[2]
+    sizes = [5, 0, 300]
+    rows = [torch.arange(n * 8, dtype=torch.float32).view(n, 8) + 1000 * r for r, n in enumerate(sizes)]
+    partials = [torch.randn(sum(sizes), 8, generator=gen, dtype=torch.float64) * 10 ** r for r in range(world_size)]
+
+    def fn(ch):
+        summed = ch.all_reduce_(inputs[ch.rank].clone())
+        gathered = ch.all_gather_rows_(torch.empty(sum(sizes), 8), rows[ch.rank], sizes)
+        everywhere = ch.all_reduce_(partials[ch.rank].clone())
+        scattered = ch.reduce_scatter_rows_(torch.empty(sizes[ch.rank], 8, dtype=torch.float64), partials[ch.rank], sizes)
+        return summed, gathered, everywhere, scattered
+
+    results, errors = run_ranks(world_size, fn)
+    assert errors == [None] * world_size
+    starts = [0, 5, 5]
+    for r, (summed, gathered, everywhere, scattered) in enumerate(results):
+        assert torch.equal(summed, expected)
+        assert torch.equal(gathered, torch.cat(rows))
+        assert torch.equal(scattered, everywhere[starts[r]: starts[r] + sizes[r]])
+
+
 def test_all_gather_and_uneven_all_to_all():
     world_size = 3
     send_splits = {0: [2, 0, 1], 1: [1, 1, 1], 2: [0, 3, 2]}  # rows rank r sends to each rank

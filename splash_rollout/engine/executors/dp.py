@@ -1,5 +1,9 @@
 """DP-attention: each rank runs all heads for the rows of the requests it owns, against its own
-histories; the output rows are all-gathered back into batch order."""
+histories, and carries only those rows between blocks. The feed-forward block, whose weights are
+sharded over the ranks, all-gathers its input rows, runs this rank's shard on every row and
+reduce-scatters the partial sums back to the owners (half the bytes of an all-reduce, and the
+norms and residual adds run once per row, not once per rank). Each rank computes the logits of its
+own sampled rows; the rank that samples gathers them."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +11,7 @@ import torch
 from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
+from splash_rollout.engine.parallel_mlp import ParallelFeedForward
 
 
 def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, list[int]]:
@@ -22,15 +27,41 @@ class DPExecutor(AttentionExecutor):
     def __init__(self, rank_state) -> None:
         self.s = rank_state
 
-    def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def local_rows(self, batch: ForwardBatch) -> torch.Tensor:
+        return batch.owned_by(self.s.view.rank)[1]
+
+    def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         s = self.s
         sub, rows = batch.owned_by(s.view.rank)
-        if rows.numel():
-            mine = attend_local(attn, s.shards[attn.layer_idx], s.pool, s.backend, x[rows], sub)  # [n, hidden]
-        else:
-            mine = x.new_zeros((0, x.shape[1]))
-        order, counts = rows_by_owner(batch, s.view.world_size)
-        gathered = s.comm.all_gather_uneven(mine, counts, tag="step/attn")  # [N, hidden] in owner order
-        out = torch.empty_like(gathered)
-        out[order] = gathered
-        return out
+        if not rows.numel():
+            return x.new_zeros((0, x.shape[1]))
+        return attend_local(attn, s.shards[attn.layer_idx], s.pool, s.backend, x, sub)
+
+    def feed_forward(self, mlp, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        if not isinstance(mlp, ParallelFeedForward):  # one rank: the whole block is here
+            return mlp(x)
+        comm = self.s.comm
+        order, counts = rows_by_owner(batch, self.s.view.world_size)
+        every = to_batch_order(comm.all_gather_uneven(x, counts, tag="step/mlp"), order)  # [N, hidden]
+        partial = mlp.shard(every)  # [N, hidden], batch order; float64 under reproducible numerics
+        return comm.reduce_scatter_uneven(partial[order], counts, tag="step/mlp").to(x.dtype)
+
+    def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits, wanted: bool) -> torch.Tensor | None:
+        """Each rank computes the logits of its own sampled rows; the sampling rank gathers them in
+        sample order (the LM head's work is split like the attention's)."""
+        s = self.s
+        owners = batch.row_owners.index_select(0, batch.sample_rows)  # [R]
+        mine = batch.sample_rows[owners == s.view.rank]  # batch rows, ascending
+        local = torch.searchsorted(self.local_rows(batch), mine)  # their places among this rank's rows
+        order = torch.argsort(owners, stable=True)
+        counts = torch.bincount(owners, minlength=s.view.world_size).tolist()
+        logits = compute_logits(h.index_select(0, local))  # [r, vocab]
+        gathered = s.comm.all_gather_uneven(logits, counts, tag="step/logits")  # [R, vocab] owner order
+        return to_batch_order(gathered, order) if wanted else None
+
+
+def to_batch_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by owner (``rows_by_owner``'s order) back in batch order."""
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out
