@@ -68,7 +68,7 @@ def predicted_concurrency(layout: Layout, pages: int, world_size: int, page_size
 def serve_on_rank(ctx, config: EngineConfig, num: int, prompt_len: int, max_new: int) -> dict | None:
     """Every rank: build the engine as RolloutEngine does, serve the requests; rank 0 reports."""
     engine = build_engine(config, ctx.groups)
-    cfg = resolve_model(config.model)
+    cfg = resolve_model(config.model.source)
     reqs = make_requests(num, prompt_len, max_new, cfg.vocab_size, cfg.max_position_embeddings)  # every rank: a replica each
     start = time.perf_counter()
     finished = engine.serve(reqs)

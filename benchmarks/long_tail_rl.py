@@ -5,7 +5,7 @@ the chains' power-law length reaching further (``data.task.max_steps``, default 
 12) and a response budget far above the median response (``grpo.max_new_tokens`` 224), so a step's
 responses are heavy-tailed: the JSON reports the median / p99 / max response lengths the plain arm
 generated (every sample it asked for runs to its end there). The engine gets its own default KV
-budget (``engine.memory_budget_gib`` 0.25) instead of the recipe's KV-bound 6 MiB: under that budget
+budget (``engine.memory.memory_budget_gib`` 0.25) instead of the recipe's KV-bound 6 MiB: under that budget
 a step is a queue of admissions whose batch stays full until its last few samples, and the tail this
 benchmark is about is hidden behind the queue.
 
@@ -57,12 +57,12 @@ QUICK = dict(sft_steps=20, steps=3, prompts=4, oversample=6, n=4, max_new_tokens
 
 
 def common(p: dict, threads: int) -> list[str]:
-    return ["+recipe=grpo_glm5", "logger.kind=none", "engine.world_size=1", f"hardware.threads={threads}",
+    return ["+recipe=grpo_glm5", "logger.kind=none", "engine.parallel.world_size=1", f"hardware.threads={threads}",
             # the settings its recorded results ran with: the 64-prompt pool, a constant lr
             "data.grpo_pool_size=64", "grpo.lr_schedule=constant", "grpo.min_lr_ratio=0.0", "grpo.summary_window=8",
             f"data.task.max_steps={p['max_chain']}", f"grpo.max_new_tokens={p['max_new_tokens']}",
             f"grpo.prompts_per_step={p['prompts']}", f"grpo.n={p['n']}", f"data.eval_size={p['eval_size']}",
-            f"eval.max_new_tokens={p['max_new_tokens']}", f"engine.memory_budget_gib={p['memory_budget_gib']}",
+            f"eval.max_new_tokens={p['max_new_tokens']}", f"engine.memory.memory_budget_gib={p['memory_budget_gib']}",
             f"trainer.micro_batch_tokens={'null' if p['micro_batch_tokens'] is None else p['micro_batch_tokens']}"]
 
 

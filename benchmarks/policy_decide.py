@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for online in (False, True):
         cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", online_correction=online)
-        pol = make_policy(cfg, resolve_model(cfg.model), 2, int(0.25 * 2**30), torch.float32)
+        pol = make_policy(cfg, resolve_model(cfg.model.source), 2, int(0.25 * 2**30), torch.float32)
         for b in (1, 8, 64, 128):  # the correction as a drain would have fed it
             step = StepBatch.make(rng.integers(20, 800, b), 1, np.arange(b) % 2)
             for _ in range(64):

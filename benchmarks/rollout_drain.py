@@ -220,7 +220,7 @@ def drain_continuous(hf, rows: list[tuple[list[int], int]], args) -> dict:
     Raises ``PeerUnavailable`` when transformers will not build a continuous-batching manager for ``hf``."""
     import transformers
 
-    page_size = max(4, EngineConfig().page_size)  # transformers needs at least 4 tokens per page
+    page_size = max(4, EngineConfig().memory.page_size)  # transformers needs at least 4 tokens per page
     num_blocks = sum(-(-(len(p) + m) // page_size) for p, m in rows) + 1
     gen_config = transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1,
                                                max_new_tokens=max(m for _, m in rows))

@@ -47,7 +47,7 @@ TAIL_FRACTION = 0.125
 def train_policy(p: dict, work: str, threads: int) -> str:
     """SFT plus ``grpo_steps`` GRPO steps of the default recipe on one rank; the last checkpoint's policy."""
     run_dir = os.path.join(work, "train")
-    cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "logger=none", "engine.world_size=1",
+    cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "logger=none", "engine.parallel.world_size=1",
            f"hardware.threads={threads}", f"sft.steps={p['sft_steps']}", f"grpo.steps={p['grpo_steps']}",
            f"trainer.save_every={p['grpo_steps']}", "eval.every=0", "grpo.prompts_per_step=8", "grpo.n=8",
            f"hydra.run.dir={run_dir}"]
@@ -93,8 +93,9 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="spec_bench_")
     policy_path = args.policy or train_policy(p, work, args.threads)
     weights = torch.load(policy_path, map_location="cpu")
-    overrides = ["+recipe=grpo_glm5", "engine.world_size=1", f"engine.numerics={args.numerics}",
-                 f"engine.max_num_seqs={max(p['wide_prompts'], p['prompts'] * p['n'])}", "engine.memory_budget_gib=0.25", "engine.layout=tp",
+    overrides = ["+recipe=grpo_glm5", "engine.parallel.world_size=1", f"engine.compute.numerics={args.numerics}",
+                 f"engine.batching.max_num_seqs={max(p['wide_prompts'], p['prompts'] * p['n'])}",
+                 "engine.memory.memory_budget_gib=0.25", "engine.parallel.layout=tp",
                  f"data.task.max_steps={p['max_chain']}", f"grpo.max_new_tokens={p['max_new_tokens']}", "eval.every=0"]
     calls = p["rounds"] * (p["prompts"] + 5 * p["wide_prompts"])
     cfg = compose_config(overrides + [f"data.eval_size=0", f"data.seed=1234"])
@@ -106,7 +107,7 @@ def main() -> int:
         ap.error("--arms: the first arm must be off (the reference the others are checked against)")
     engines = {}
     for arm in arms:
-        engines[arm] = build_engine(compose_config(overrides + [f"engine.speculation={arm}"]))
+        engines[arm] = build_engine(compose_config(overrides + [f"engine.compute.speculation={arm}"]))
         engines[arm].update_weights(weights, version=1)
     stop = tuple(tokenizer.eos_token_ids)
     workloads = {

@@ -14,7 +14,7 @@ Three workloads, all deterministic (no wall-clock input reaches a decision):
   every policy decision (step, rule, chosen layout, admissions, predicted costs) and every switch.
 * **the simulator's adaptive drains** (GPU-scale, the same policy code with optimistic admission
   and pressure relief): switch paths, switches and simulated tokens/s of three named workloads;
-* **a short GRPO run** of the default recipe under ``engine.numerics=reproducible`` (2 SFT steps,
+* **a short GRPO run** of the default recipe under ``engine.compute.numerics=reproducible`` (2 SFT steps,
   2 GRPO steps of 4 prompts x 4 samples, online correction off): every metrics.jsonl row with its
   wall-clock fields (times, rates, policy seconds) dropped.
 
@@ -85,8 +85,8 @@ def simulated() -> dict:
 
 def grpo(workdir: str) -> list[dict]:
     run_dir = os.path.join(workdir, "grpo")
-    cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "engine.numerics=reproducible",
-           "engine.online_correction=false", "sft.steps=2", "sft.batch_size=8", "sft.save=false", "grpo.steps=2",
+    cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "engine.compute.numerics=reproducible",
+           "engine.pricing.online_correction=false", "sft.steps=2", "sft.batch_size=8", "sft.save=false", "grpo.steps=2",
            "grpo.prompts_per_step=4", "grpo.n=4", "grpo.max_new_tokens=24", "eval.every=0", "data.eval_size=8",
            "eval.max_new_tokens=24", "logger=none", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)

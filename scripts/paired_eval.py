@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(config_path):
         raise SystemExit(f"{args.run_dir}: no .hydra/config.yaml (not a recipe's run directory)")
     cfg = OmegaConf.load(config_path)
-    cfg.engine.world_size = 1  # one rank: the tokens are the same in every layout
+    cfg.engine.parallel.world_size = 1  # one rank: the tokens are the same in every layout
     found = policies(args.run_dir)
     last = args.last or list(found)[-1]
     for name in (args.first, last):

@@ -1,7 +1,7 @@
 """Hydra entry: ``python -m splash_rollout.run +recipe=grpo_glm5 [overrides]``.
 
 Composes ``conf/`` (groups: recipe, model, engine, trainer, data, logger, hardware) and runs the
-recipe on ``engine.world_size`` ranks. Under torchrun the launcher's ranks are used as they are;
+recipe on ``engine.parallel.world_size`` ranks. Under torchrun the launcher's ranks are used as they are;
 from a plain process this spawns the ranks itself (gloo on CPU, MASTER_ADDR/PORT set here). Every
 rank runs the same loop; only rank 0 writes into the run directory (``hydra.run.dir``, or the
 directory given by ``resume=<run dir>``, which the resumed run continues to write into).
@@ -48,13 +48,13 @@ def _spawned_rank(rank: int, cfg: DictConfig, run_dir: str, world_size: int, por
 
 
 def launch(cfg: DictConfig, run_dir: str):
-    """Run on the ranks: torchrun's, or ``engine.world_size`` spawned ones, or this process alone."""
+    """Run on the ranks: torchrun's, or ``engine.parallel.world_size`` spawned ones, or this process alone."""
     from splash_rollout.distributed.groups import under_torchrun
     from splash_rollout.distributed.launch import free_port
 
     if under_torchrun():
         return run_recipe(cfg, run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    world_size = int(cfg.engine.world_size)
+    world_size = int(cfg.engine.parallel.world_size)
     if world_size == 1:
         return run_recipe(cfg, run_dir, 0, 1)
 

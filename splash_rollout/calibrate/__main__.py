@@ -9,7 +9,7 @@ Two passes over T spawned ranks (gloo on CPU):
    the engine's kernels reach them, per-request, per-expert and elementwise costs, collective
    latency and bandwidth as the engine's collectives pay them). ``--no-engine-fit`` skips it.
 
-Writes a YAML profile that ``EngineConfig(profile=...)``, the scheduler and ``bench costmodel`` read,
+Writes a YAML profile that ``EngineConfig(pricing={"profile": ...})``, the scheduler and ``bench costmodel`` read,
 and (``--points-json``) the measured grid with the fit's report. Use a grid other than the one you
 check the model on: ``bench costmodel`` defaults to B in {1, 4, 16} x context in {64, 256, 1024}.
 """

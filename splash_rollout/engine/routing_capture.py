@@ -1,6 +1,6 @@
 """Which experts the engine routed each token to: recorded on the driver rank, per request.
 
-With ``EngineConfig(return_routing=True)`` every step's forward on rank 0 runs inside a routing
+With ``EngineConfig(outputs={"return_routing": True})`` every step's forward on rank 0 runs inside a routing
 capture (``models.moe.routing_context``); the captured ids of the step's rows are split by request
 and kept by position until the request's result is built (``take``). The router is replicated on
 every rank and sees every row (the feed-forward block runs on every row of the step in every layout), so rank 0's capture is

@@ -20,7 +20,7 @@ and FFN-down outputs, CP's partial attention) stay float64 through the collectiv
 and are rounded (``.to(activation dtype)``) after it, so a sharded sum rounds exactly like the
 trainer's unsharded one.
 
-The mode is process-wide: the engine sets it on every rank from ``EngineConfig.numerics``, and a
+The mode is process-wide: the engine sets it on every rank from ``EngineConfig.compute.numerics``, and a
 trainer sharing the process computes its logprobs under the same rules. It costs float64 matmul
 throughput (about 2x on AVX-512 CPUs); it is meant for CPU runs and parity checks, not GPU serving.
 """

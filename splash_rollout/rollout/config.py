@@ -1,186 +1,130 @@
-"""EngineConfig: how to build a RolloutEngine (model, ranks, memory, batching). Frozen; validated."""
+"""EngineConfig: how to build a RolloutEngine, one frozen config grouped by concern.
+
+    EngineConfig(model="glm5-nano",
+                 parallel=ParallelOptions(world_size=2, layout="auto"),
+                 memory={"memory_budget_gib": 0.5},          # a mapping of a group's fields works too
+                 policy={"min_dwell_steps": 8})
+
+Groups (rollout/config_groups.py unless named): ``model`` (ModelOptions: source, dtype, seed,
+tokenizer, context limit), ``parallel`` (ranks, layout, device, timeouts, scheduled switches),
+``memory`` (KV pool, page size, admission, prefix sharing), ``batching`` (per-step and per-call
+bounds), ``policy`` (the layout rules' knobs, scheduling.policy.PolicyConfig), ``driver`` (when the
+policy is consulted, engine.layout_driver.DriverConfig), ``pricing`` (cost profile, online
+correction), ``compute`` (attention backend, numerics, speculation, threads), ``outputs`` (progress,
+routing). Each group is validated when it is built; a group given as a mapping is refused naming the
+unknown or bad field (``memory.page_size: expected >= 1``). ``model`` also takes a preset name, a
+checkpoint folder or a ModelConfig directly.
+
+The flat keyword names of earlier releases (``EngineConfig(world_size=2, layout="dp")``) are still
+taken for this release: each lands in its group (``FLAT_NAMES`` says where) and replaces that one
+field; reading is grouped only (``config.parallel.world_size``).
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
+from splash_rollout.config_fields import from_mapping
+from splash_rollout.engine.layout_driver import DriverConfig
 from splash_rollout.models.config import ModelConfig
-from splash_rollout.models.numerics import NUMERICS_MODES
+from splash_rollout.rollout.config_groups import (BatchingOptions, ComputeOptions, MemoryOptions, ModelOptions,
+                                                  OutputOptions, ParallelOptions, PricingOptions)
+from splash_rollout.scheduling.policy import PolicyConfig
 
-if TYPE_CHECKING:
-    from splash_rollout.engine.layout_driver import DriverConfig
-    from splash_rollout.scheduling.policy import PolicyConfig
+GROUPS: dict[str, type] = {"model": ModelOptions, "parallel": ParallelOptions, "memory": MemoryOptions,
+                           "batching": BatchingOptions, "policy": PolicyConfig, "driver": DriverConfig,
+                           "pricing": PricingOptions, "compute": ComputeOptions, "outputs": OutputOptions}
+"""Group name -> its config class, in declaration order."""
 
-_DTYPES = ("float32", "bfloat16", "float16")
-SPECULATION_MODES = ("off", "always", "auto")
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    **{name: ("parallel", name) for name in ("world_size", "layout", "device", "rank_timeout_s", "switch_schedule")},
+    **{name: ("model", name) for name in ("dtype", "seed", "tokenizer", "max_model_len")},
+    **{name: ("memory", name) for name in ("memory_budget_gib", "num_pages", "page_size", "admission",
+                                           "prefix_sharing")},
+    **{name: ("batching", name) for name in ("max_num_batched_tokens", "max_num_seqs", "max_queued_requests")},
+    **{name: ("pricing", name) for name in ("profile", "online_correction")},
+    **{name: ("compute", name) for name in ("attention_backend", "numerics", "speculation", "cpu_share",
+                                            "flush_denormal")},
+    **{name: ("outputs", name) for name in ("progress", "return_routing")},
+}
+"""Earlier releases' flat EngineConfig keywords -> (group, field); taken for this release."""
 
 
-@dataclass(frozen=True)
+def _group(name: str, value: Any):
+    """A group from its instance, a mapping of its fields, or None (its defaults)."""
+    cls = GROUPS[name]
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if name == "model" and isinstance(value, (str, os.PathLike, ModelConfig)):
+        return ModelOptions(source=value)
+    if isinstance(value, Mapping):
+        own = getattr(cls, "from_mapping", None)  # PolicyConfig / DriverConfig parse their own fields
+        return own(value, name) if own is not None else from_mapping(cls, value, name)
+    raise TypeError(f"{name}: expected a {cls.__name__} or a mapping of its fields (None: its defaults), "
+                    f"got {type(value).__name__}")
+
+
+@dataclass(frozen=True, init=False)
 class EngineConfig:
-    model: str | os.PathLike | ModelConfig = "glm5-nano"
-    """Preset name (random init), HF checkpoint folder, or a ModelConfig (random init)."""
-    world_size: int = 1
-    """Ranks in the attention group (T). More than 1: spawned here, or the caller's torchrun ranks."""
-    dtype: str = "float32"
-    """Model and KV-cache dtype: float32, bfloat16 or float16."""
-    seed: int = 0
-    """Seeds the random init of presets (same seed, same weights) and the default sampling seeds."""
-    page_size: int = 16
-    """Tokens per KV page."""
-    max_num_batched_tokens: int = 512
-    """Per-step query-row budget shared by decode rows and prefill chunks."""
-    max_num_seqs: int = 256
-    """Most requests running at once."""
-    memory_budget_gib: float = 0.25
-    """KV-pool memory per rank; ignored when ``num_pages`` is given."""
-    num_pages: int | None = None
-    """Exact KV-pool size in pages (overrides ``memory_budget_gib``)."""
-    max_model_len: int | None = None
-    """Context limit (prompt + response); None: the model's max_position_embeddings. A prompt must be
-    shorter; a response stops at the limit with finish_reason ``length`` (``max_new_tokens`` is capped
-    by what the context leaves, never refused)."""
-    max_queued_requests: int = 65536
-    """Most samples one ``generate`` call may ask for (prompts x n): a call beyond it is refused up
-    front, naming the bound, instead of building millions of requests."""
-    layout: str = "tp"
-    """Attention layout over the T ranks: tp, dp (DP-attention), dop, cp, or auto (the scheduler's
-    policy picks and switches, starting in DP-attention); meaningless at world_size 1."""
-    profile: str = "cpu"
-    """Hardware profile the auto policy prices layouts with: a preset (cpu, h100, h200, b200) or a
-    YAML file (scheduling/profile.py); its rates are used, the engine's own pools replace its memory."""
-    online_correction: bool = True
-    """With ``layout="auto"``: correct the profile's step times online from the steps this machine
-    measures (shared per-stage-group factors, then per-layout and per-step-shape factors, each
-    shrunk toward the profile until observations outweigh it; scheduling/online.py). The factors
-    are in every timeline decision (``correction``). False: price with the profile as it is."""
-    policy: PolicyConfig | Mapping[str, Any] | None = None
-    """The layout policy's knobs under ``layout="auto"`` (``scheduling.policy.PolicyConfig``: the
-    margins a switch must clear, the dwell after a switch and what may end it early, the horizon
-    quantile, the layouts it may choose). A mapping of its field
-    names is taken too (Hydra: ``engine.policy.min_dwell_steps=8``) and becomes a PolicyConfig
-    here. None: its defaults."""
-    driver: DriverConfig | Mapping[str, Any] | None = None
-    """When ``layout="auto"`` consults the policy and feeds its online correction
-    (``engine.layout_driver.DriverConfig``: at events and at least every ``decide_every_steps``; one
-    step in ``observe_every_steps`` measured). A mapping of its field names is taken too (Hydra:
-    ``engine.driver.decide_every_steps=8``). None: its defaults."""
-    attention_backend: str = "cpu"
-    """``cpu`` (default): a native kernel (built with the system C++ compiler at first use, cached)
-    that reads the paged KV pool in place, for float32 / bfloat16 pools on the CPU; other pools,
-    or a machine without a compiler, take ``torch``. ``torch``: one layer for every request of a
-    step in a few batched tensor ops;
-    ``torch_ref``: one exact attention per request, the reference the others are tested against;
-    ``triton``: split-KV Triton kernels (the ``gpu`` extra; CUDA); ``flashmla``: FlashMLA's dense decode
-    for whole-history decode rows, the rest through ``triton`` (``sgl-flash-mla``, SM90, page_size 64,
-    bfloat16)."""
-    device: str = "cpu"
-    """Where every engine tensor lives (weights, KV pool, block tables, batch, logits): ``cpu``,
-    ``cuda`` (rank r on GPU r mod the device count) or an explicit ``cuda:N``."""
-    tokenizer: str | None = None
-    """Tokenizer name or path for string prompts; None: the model's (checkpoint folder or preset)."""
-    switch_schedule: dict | None = None
-    """{step: layout}: switch at these engine steps (tests and benchmarks; the scheduler decides otherwise)."""
-    rank_timeout_s: float = 60.0
-    """Longest wait for any other rank (collectives, step plans); a dead rank becomes an error."""
-    progress: bool | None = None
-    """A progress bar on ``generate`` (requests done / total, layout, tokens/s), drawn on stderr by the
-    driver (rank 0). None: only when stderr is a terminal (logs, CI and tests stay clean); True /
-    False: always / never."""
-    numerics: str = "fast"
-    """``fast``: float32 kernels as torch picks them. ``reproducible``: matmuls and reductions
-    accumulate in float64 and round once, so a token's logprob no longer depends on batch size,
-    padding, chunking or layout, and equals a trainer's (same process, same mode) to float32
-    rounding; costs float64 matmul speed. Process-wide while the engine lives (models/numerics.py),
-    set on every rank and in the calling process."""
-    admission: str = "optimistic"
-    """``optimistic``: admit on each request's expected growth (a ratio of its remaining cap that decays
-    while memory holds, scheduling/admission.py) and, when a step runs out of KV pages, retract the
-    youngest requests (tokens kept; they re-prefill later and continue exactly). ``worst_case``:
-    every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
-    prefix_sharing: bool = True
-    """The samples of a prompt (``n`` > 1) share its KV pages and prefill it once."""
-    speculation: str = "off"
-    """Speculative decoding without a draft model (engine/drafter.py): ``always`` drafts the next
-    tokens of every decoding request from its prompt's other samples (live, and earlier calls') and
-    its own text, and verifies them in one step, keeping exactly the tokens decoding one at a time
-    gives (every row sampled with its own seeded draw); ``auto`` drafts on the steps where the cost
-    model, with the measured acceptance, predicts more tokens per second (as the batch drains);
-    ``off`` (default) decodes one token a step."""
-    cpu_share: bool = True
-    """On CPU with one rank: each step uses only the cores other processes leave free (read from
-    /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or
-    another job on the same cores then slows the engine by its fair share instead of stalling every
-    OpenMP barrier (measured 2 cores, one 2-thread job beside: 7-21 tokens/s with 2 threads kept,
-    89-125 with 1). Ranks of a multi-rank engine keep their thread count: they compute replicated
-    values that must agree bit for bit. False: always the threads set at build time."""
-    flush_denormal: bool = True
-    """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
-    of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below
-    1e-38. Set False to leave the process flag alone."""
+    model: ModelOptions
+    """Which model, in which dtype, from which seed (also: a preset name, folder or ModelConfig)."""
+    parallel: ParallelOptions
+    """Ranks, attention layout, device, rank timeout, scheduled switches."""
+    memory: MemoryOptions
+    """KV pool per rank, page size, admission, prefix sharing."""
+    batching: BatchingOptions
+    """Rows per step, requests running at once, samples per call."""
+    policy: PolicyConfig
+    """With ``layout="auto"``: the margins a switch must clear, the dwell after a switch and what may
+    end it early, exploration, the horizon quantile, the layouts it may choose."""
+    driver: DriverConfig
+    """With ``layout="auto"``: when the policy is consulted and which steps feed its online correction."""
+    pricing: PricingOptions
+    """The cost profile auto decisions price with, and whether it is corrected online."""
+    compute: ComputeOptions
+    """Attention backend, numerics, speculation, CPU threads and denormals."""
+    outputs: OutputOptions
+    """Progress bar and per-sample routing."""
 
-    return_routing: bool = False
-    """Every sample carries ``routing``: the experts each of its tokens was routed to in every MoE
-    layer ([positions run, MoE layers, top_k] int16), so a trainer can replay them
-    (``models.moe.routing_context``). Off by default: it costs that array per sample."""
+    def __init__(self, model: Any = None, parallel: Any = None, memory: Any = None, batching: Any = None,
+                 policy: Any = None, driver: Any = None, pricing: Any = None, compute: Any = None,
+                 outputs: Any = None, **flat: Any) -> None:
+        given = {"model": model, "parallel": parallel, "memory": memory, "batching": batching, "policy": policy,
+                 "driver": driver, "pricing": pricing, "compute": compute, "outputs": outputs}
+        groups = {name: _group(name, value) for name, value in given.items()}
+        unknown = sorted(set(flat) - set(FLAT_NAMES))
+        if unknown:
+            raise TypeError(f"EngineConfig: unknown option(s) {unknown}; the groups are {list(GROUPS)} "
+                            f"(and, for this release, the flat names {sorted(FLAT_NAMES)})")
+        by_group: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            group, field = FLAT_NAMES[name]
+            by_group.setdefault(group, {})[field] = value
+        for group, values in by_group.items():
+            try:
+                groups[group] = dataclasses.replace(groups[group], **values)
+            except ValueError as e:
+                raise ValueError(f"{group}.{e}") from None
+        for name, value in groups.items():
+            object.__setattr__(self, name, value)
+        self._check_across_groups()
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.return_routing, bool):
-            raise TypeError(f"return_routing: expected a bool, got {type(self.return_routing).__name__}")
-        from splash_rollout.layout.layouts import Layout
+    def _check_across_groups(self) -> None:
+        compute = self.compute
+        if compute.speculation != "off" and self.outputs.return_routing:
+            raise ValueError("compute.speculation: not yet with outputs.return_routing (a verified row's routing "
+                             "is recorded for accepted tokens only in a later version); set speculation='off'")
+        if compute.attention_backend == "flashmla" and (self.memory.page_size != 64 or self.model.dtype != "bfloat16"):
+            raise ValueError("compute.attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
+                             f"memory.page_size={self.memory.page_size}, model.dtype={self.model.dtype!r}")
 
-        if self.world_size < 1:
-            raise ValueError(f"world_size: expected >= 1, got {self.world_size}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: expected one of {_DTYPES}, got {self.dtype!r}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size: expected >= 1, got {self.page_size}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: expected >= 1, got {self.max_num_seqs}")
-        if self.num_pages is None and not self.memory_budget_gib > 0:
-            raise ValueError(f"memory_budget_gib: expected > 0, got {self.memory_budget_gib}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
-        if isinstance(self.max_queued_requests, bool) or not isinstance(self.max_queued_requests, int) \
-                or self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests: expected an integer >= 1, got {self.max_queued_requests!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
-        if not self.rank_timeout_s > 0:
-            raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
-        if self.speculation not in SPECULATION_MODES:
-            raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
-        if self.speculation != "off" and self.return_routing:
-            raise ValueError("speculation: not yet with return_routing (a verified row's routing is recorded "
-                             "for accepted tokens only in a later version); set speculation='off'")
-        if not isinstance(self.online_correction, bool):
-            raise ValueError(f"online_correction: expected True or False, got {self.online_correction!r}")
-        if str(self.layout).lower() != "auto":
-            Layout.parse(self.layout, "layout")
-        from splash_rollout.scheduling.policy import PolicyConfig
-
-        if self.policy is not None and not isinstance(self.policy, PolicyConfig):
-            object.__setattr__(self, "policy", PolicyConfig.from_mapping(self.policy, "policy"))
-        from splash_rollout.engine.layout_driver import DriverConfig
-
-        if self.driver is not None and not isinstance(self.driver, DriverConfig):
-            object.__setattr__(self, "driver", DriverConfig.from_mapping(self.driver, "driver"))
-        from splash_rollout.engine.attention import available_backends
-
-        if self.attention_backend not in available_backends():
-            raise ValueError(f"attention_backend: expected one of {available_backends()}, got {self.attention_backend!r}")
-        from splash_rollout.scheduling.admission import ADMISSION_MODES
-
-        if self.admission not in ADMISSION_MODES:
-            raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")
-        if self.attention_backend == "flashmla" and (self.page_size != 64 or self.dtype != "bfloat16"):
-            raise ValueError("attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
-                             f"page_size={self.page_size}, dtype={self.dtype!r}")
-        if self.numerics not in NUMERICS_MODES:
-            raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
-        for step, name in (self.switch_schedule or {}).items():
-            if not isinstance(step, int) or step < 0:
-                raise ValueError(f"switch_schedule: steps must be non-negative integers, got {step!r}")
-            Layout.parse(name, f"switch_schedule[{step}]")
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A copy with some groups (or, for this release, flat names) changed."""
+        current = {name: getattr(self, name) for name in GROUPS}
+        flat = {k: v for k, v in changes.items() if k not in GROUPS}
+        current.update({k: v for k, v in changes.items() if k in GROUPS})
+        return EngineConfig(**current, **flat)

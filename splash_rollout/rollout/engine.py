@@ -1,6 +1,6 @@
 """RolloutEngine: the public face -- prompts and SamplingParams in, a RolloutBatch out.
 
-Builds the model on every rank (preset: random init seeded by ``EngineConfig.seed``; folder: HF
+Builds the model on every rank (preset: random init seeded by ``EngineConfig.model.seed``; folder: HF
 checkpoint) and the engine under it, and turns each (prompt, sample j) into an engine Request with
 its own seed. All inputs are validated before any work starts. Where the ranks live -- this
 process (one rank, or the caller's torchrun ranks) or ranks the engine spawns -- is the host's
@@ -49,15 +49,15 @@ class RolloutEngine:
         from splash_rollout.distributed.groups import ProcessGroups, groups_in_process, initialized_world_size
 
         self.config = config
-        if config.flush_denormal and torch.device(config.device).type == "cpu":
+        if config.compute.flush_denormal and torch.device(config.parallel.device).type == "cpu":
             torch.set_flush_denormal(True)
         # process-wide while the engine lives: a trainer in this process computes like the engine
         self._numerics_before = numerics_mode()
-        set_numerics(config.numerics)
-        self.model_config: ModelConfig = resolve_model(config.model)
-        self.max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+        set_numerics(config.compute.numerics)
+        self.model_config: ModelConfig = resolve_model(config.model.source)
+        self.max_len = min(config.model.max_model_len or self.model_config.max_position_embeddings,
                            self.model_config.max_position_embeddings)
-        t = config.world_size
+        t = config.parallel.world_size
         check_world_size(self.model_config, t)
         existing = initialized_world_size()
         if t > 1 and existing not in (None, 1, t):
@@ -68,11 +68,11 @@ class RolloutEngine:
         self._broken: str | None = None  # why the engine became unusable (a rank failed)
         self._closed = False
         if t == 1:
-            self._host = LocalHost(ProcessGroups.single(config.rank_timeout_s))
+            self._host = LocalHost(ProcessGroups.single(config.parallel.rank_timeout_s))
         elif existing == t:  # torchrun / a trainer's group: the engine lives in the caller's ranks
-            self._host = LocalHost(groups_in_process(config.rank_timeout_s))
+            self._host = LocalHost(groups_in_process(config.parallel.rank_timeout_s))
         else:  # a plain process (or a one-rank trainer group): spawn the T ranks
-            self._host = SpawnedHost(t, config.rank_timeout_s, config.device)
+            self._host = SpawnedHost(t, config.parallel.rank_timeout_s, config.parallel.device)
         try:
             built = self._on_ranks(worker_build, config)
         except BaseException:
@@ -85,8 +85,8 @@ class RolloutEngine:
         self._num_calls = 0
         self._next_request_id = 0
         self._asleep = False
-        self._progress = progress_enabled(config.progress)
-        """Whether the driver draws a progress bar (EngineConfig.progress, resolved here)."""
+        self._progress = progress_enabled(config.outputs.progress)
+        """Whether the driver draws a progress bar (EngineConfig.outputs.progress, resolved here)."""
 
     @property
     def rank(self) -> int:
@@ -103,7 +103,7 @@ class RolloutEngine:
         """The model in this process at world_size 1 (the engine computes with its weights; a trainer
         may score with it); None with more ranks, where each rank holds only its shards."""
         engine = self.local_engine
-        return engine.model if engine is not None and self.config.world_size == 1 else None
+        return engine.model if engine is not None and self.config.parallel.world_size == 1 else None
 
     @property
     def worker_group(self):
@@ -117,8 +117,9 @@ class RolloutEngine:
         if self._tokenizer is None:
             from splash_rollout.models.tokenizer import load_tokenizer
 
-            source = self.config.tokenizer or (self.config.model if not isinstance(self.config.model, ModelConfig)
-                                               else self.model_config.name)
+            model = self.config.model
+            source = model.tokenizer or (model.source if not isinstance(model.source, ModelConfig)
+                                         else self.model_config.name)
             self._tokenizer = load_tokenizer(os.fspath(source))
         return self._tokenizer
 
@@ -325,7 +326,7 @@ class RolloutEngine:
 
         self._check_usable("switch_layout")
         Layout.parse(dst, "dst")
-        if self.config.world_size == 1:
+        if self.config.parallel.world_size == 1:
             raise ValueError("switch_layout: a single rank has no layouts to switch between (world_size=1)")
         self._on_ranks(worker_request_switch, dst, blocking)
 
@@ -380,7 +381,7 @@ class RolloutEngine:
             raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(params)}")
         vocab = self.model_config.vocab_size
         check_sampling(params, vocab, SamplingParams)
-        check_queue_bound(params, self.config.max_queued_requests)
+        check_queue_bound(params, self.config.batching.max_queued_requests)
         token_lists = [prompt_ids(i, prompt, vocab, self.max_len, lambda text: self.tokenizer.encode(text))
                        for i, prompt in enumerate(prompts)]
         call = self._num_calls
@@ -390,7 +391,8 @@ class RolloutEngine:
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             group = []
             for j in range(p.n):
-                seed = derive_seed(p.seed, j) if p.seed is not None else derive_seed(self.config.seed, call, i, j, 1)
+                seed = (derive_seed(p.seed, j) if p.seed is not None
+                        else derive_seed(self.config.model.seed, call, i, j, 1))
                 spec = SamplingSpec(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                                     max_new_tokens=p.max_new_tokens, stop_token_ids=p.stop_token_ids,
                                     ignore_eos=p.ignore_eos, seed=seed)
@@ -406,9 +408,10 @@ class RolloutEngine:
         for req, ok in zip(requests, self._can_ever_admit(requests)):
             if not ok:
                 i = next(k for k, g in enumerate(groups) if req in g)
-                raise ValueError(f"prompts[{i}]: needs {req.pages_needed(self.config.page_size)} KV pages "
+                raise ValueError(f"prompts[{i}]: needs {req.pages_needed(self.config.memory.page_size)} KV pages "
                                  f"(prompt + max_new_tokens), more than one rank's pool holds in layout "
-                                 f"{self.config.layout}; lower max_new_tokens or raise memory_budget_gib / num_pages")
+                                 f"{self.config.parallel.layout}; lower max_new_tokens or raise "
+                                 f"memory.memory_budget_gib / memory.num_pages")
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def abort(self) -> int:
@@ -440,7 +443,7 @@ class RolloutEngine:
         try:
             return self._host.run(fn, *args)
         except BaseException as e:
-            if self.config.world_size > 1:
+            if self.config.parallel.world_size > 1:
                 self._fail(fn.__name__, e)
             raise
 

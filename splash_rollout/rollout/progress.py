@@ -1,7 +1,7 @@
 """A tqdm bar for long rollout calls: requests done / total, the current layout and tokens/s.
 
 The driver draws it: the single-rank loop of ``RolloutEngine``, or rank 0 of a group (spawned or
-torchrun) through ``GroupEngine.on_step``, once per engine step. ``EngineConfig.progress`` decides
+torchrun) through ``GroupEngine.on_step``, once per engine step. ``EngineConfig.outputs.progress`` decides
 whether there is one (None: only when stderr is a terminal, so logs and tests stay clean);
 ``enabled=False`` makes every method a no-op. Lives in rollout/ (not reporting/) because the engine
 side draws it and rollout/ may not import reporting/.
@@ -14,7 +14,7 @@ from typing import IO
 
 
 def progress_enabled(setting: bool | None) -> bool:
-    """``EngineConfig.progress`` resolved in the calling process (None: stderr is a terminal)."""
+    """``EngineConfig.outputs.progress`` resolved in the calling process (None: stderr is a terminal)."""
     if setting is not None:
         return bool(setting)
     try:

@@ -24,7 +24,6 @@ from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
-from splash_rollout.engine.layout_driver import DriverConfig
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
@@ -192,40 +191,43 @@ def load_model(config, model_config: ModelConfig):
     """The full model on this rank (a checkpoint folder, or the preset's seeded random init)."""
     from splash_rollout.models.model import MLAForCausalLM
 
-    dtype = TORCH_DTYPES[config.dtype]
-    source = config.model
+    dtype = TORCH_DTYPES[config.model.dtype]
+    source = config.model.source
     if isinstance(source, (str, os.PathLike)) and os.fspath(source) not in PRESETS:
         return MLAForCausalLM.from_pretrained(os.fspath(source), dtype=dtype).eval()
-    return MLAForCausalLM.from_config(model_config, seed=config.seed, dtype=dtype).eval()
+    return MLAForCausalLM.from_config(model_config, seed=config.model.seed, dtype=dtype).eval()
 
 
 def engine_settings(config, model_config: ModelConfig, world_size: int) -> EngineSettings:
     """An EngineConfig's serving settings on T ranks: the pools each layout gets from the budget."""
-    dtype = TORCH_DTYPES[config.dtype]
-    auto = str(config.layout).lower() == "auto"
-    layout = Layout.DP if auto else Layout.parse(config.layout)  # auto starts where wide batches run well
-    budget = int(config.memory_budget_gib * 2**30)
-    by_layout = None if config.num_pages else {
-        l: pages_per_rank(model_config, l, world_size, budget, config.page_size, dtype) for l in Layout}
-    num_pages = config.num_pages or by_layout[layout]
+    dtype = TORCH_DTYPES[config.model.dtype]
+    auto = str(config.parallel.layout).lower() == "auto"
+    layout = Layout.DP if auto else Layout.parse(config.parallel.layout)  # auto starts where wide batches run well
+    budget = int(config.memory.memory_budget_gib * 2**30)
+    by_layout = None if config.memory.num_pages else {
+        l: pages_per_rank(model_config, l, world_size, budget, config.memory.page_size, dtype) for l in Layout}
+    num_pages = config.memory.num_pages or by_layout[layout]
     if num_pages < 1:
-        raise ValueError(f"memory_budget_gib: {config.memory_budget_gib} GiB per rank holds no KV page after "
+        raise ValueError(f"memory_budget_gib: {config.memory.memory_budget_gib} GiB per rank holds no KV page after "
                          f"the {layout} attention weights")
-    schedule = {int(step): Layout.parse(l, "switch_schedule") for step, l in (config.switch_schedule or {}).items()}
-    return EngineSettings(layout=layout, num_pages=num_pages, page_size=config.page_size,
-                          max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                          attention_backend=config.attention_backend, dtype=dtype, device=rank_device(config, 0),
+    schedule = {int(step): Layout.parse(l, "switch_schedule")
+                for step, l in (config.parallel.switch_schedule or {}).items()}
+    batching, memory = config.batching, config.memory
+    return EngineSettings(layout=layout, num_pages=num_pages, page_size=memory.page_size,
+                          max_num_batched_tokens=batching.max_num_batched_tokens, max_num_seqs=batching.max_num_seqs,
+                          attention_backend=config.compute.attention_backend, dtype=dtype,
+                          device=rank_device(config, 0),
                           pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
                           reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
-                          admission=AdmissionSettings(mode=config.admission), prefix_sharing=config.prefix_sharing,
-                          return_routing=bool(getattr(config, "return_routing", False)),
-                          cpu_share=bool(getattr(config, "cpu_share", True)), driver=config.driver or DriverConfig(),
-                          speculation=config.speculation)
+                          admission=AdmissionSettings(mode=memory.admission), prefix_sharing=memory.prefix_sharing,
+                          return_routing=config.outputs.return_routing,
+                          cpu_share=config.compute.cpu_share, driver=config.driver,
+                          speculation=config.compute.speculation)
 
 
 def rank_device(config, rank: int) -> str:
-    """The device a rank computes on: ``EngineConfig.device``; a bare ``cuda`` spreads ranks over GPUs."""
-    device = str(config.device)
+    """The device a rank computes on: ``EngineConfig.parallel.device``; a bare ``cuda`` spreads ranks over GPUs."""
+    device = str(config.parallel.device)
     if device == "cuda" and torch.cuda.is_available():
         return f"cuda:{rank % torch.cuda.device_count()}"
     return device
@@ -235,17 +237,17 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
     """This rank's Engine for an EngineConfig (collective: every rank calls it)."""
     import dataclasses
 
-    if config.flush_denormal and str(config.device).startswith("cpu"):
+    if config.compute.flush_denormal and str(config.parallel.device).startswith("cpu"):
         torch.set_flush_denormal(True)
-    set_numerics(config.numerics)
-    model_config = resolve_model(config.model)
+    set_numerics(config.compute.numerics)
+    model_config = resolve_model(config.model.source)
     settings = engine_settings(config, model_config, groups.world_size)
     settings = dataclasses.replace(settings, device=rank_device(config, groups.rank))
     policy, price_step = None, None
-    budget = int(config.memory_budget_gib * 2**30)
-    if str(config.layout).lower() == "auto" and groups.rank == 0 and groups.world_size > 1:
+    budget = int(config.memory.memory_budget_gib * 2**30)
+    if str(config.parallel.layout).lower() == "auto" and groups.rank == 0 and groups.world_size > 1:
         policy = make_policy(config, model_config, groups.world_size, budget, settings.dtype)
-    if config.speculation == "auto" and groups.rank == 0:  # the speculation gate prices with the same θ
+    if config.compute.speculation == "auto" and groups.rank == 0:  # the speculation gate prices with the same θ
         pricing = policy or make_policy(config, model_config, groups.world_size, budget, settings.dtype)
         price_step = lambda layout, step: pricing.pricer.price(layout, step).seconds  # noqa: E731
     return Engine(load_model(config, model_config), model_config, groups, settings, policy=policy,
@@ -260,16 +262,16 @@ def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes
     from splash_rollout.layout.footprint import RankBudget, footprints
     from splash_rollout.scheduling.deployment import Deployment
     from splash_rollout.scheduling.online import StepTimeCorrection
-    from splash_rollout.scheduling.policy import LayoutPolicy, PolicyConfig
+    from splash_rollout.scheduling.policy import LayoutPolicy
     from splash_rollout.scheduling.profile import load_profile
 
-    profile = dataclasses.replace(load_profile(config.profile), world_size=world_size, memory_bytes=budget_bytes,
-                                  mem_fraction=1.0)
+    profile = dataclasses.replace(load_profile(config.pricing.profile), world_size=world_size,
+                                  memory_bytes=budget_bytes, mem_fraction=1.0)
     sizes = sizes_for(model_config, dtype)
-    fps = footprints(sizes, world_size, RankBudget(budget_bytes), config.page_size)
-    return LayoutPolicy(Deployment(model_config, profile, sizes, fps, config.page_size, sizes.weight_dtype,
-                                   sizes.kv_format), config=config.policy or PolicyConfig(),
-                        correction=StepTimeCorrection() if config.online_correction else None)
+    fps = footprints(sizes, world_size, RankBudget(budget_bytes), config.memory.page_size)
+    return LayoutPolicy(Deployment(model_config, profile, sizes, fps, config.memory.page_size, sizes.weight_dtype,
+                                   sizes.kv_format), config=config.policy,
+                        correction=StepTimeCorrection() if config.pricing.online_correction else None)
 
 
 # ---- what every rank runs (module level so they pickle by name) ----------------------------------------

@@ -18,7 +18,7 @@ MIN_TEMPERATURE = 1e-4
 class SamplingParams:
     n: int = 1
     """Samples per prompt (one group); a call's prompts x n is bounded by
-    ``EngineConfig.max_queued_requests``."""
+    ``EngineConfig.batching.max_queued_requests``."""
     temperature: float = 1.0
     """0 means greedy; otherwise finite and at least ``MIN_TEMPERATURE`` (below it the tempered logits
     overflow float32)."""
@@ -27,7 +27,7 @@ class SamplingParams:
     """-1 (or 0) disables top-k."""
     min_p: float = 0.0
     max_new_tokens: int = 16
-    """Response tokens at most; the context (``EngineConfig.max_model_len``) caps it: a response that
+    """Response tokens at most; the context (``EngineConfig.model.max_model_len``) caps it: a response that
     reaches the context limit stops there with finish_reason ``length``."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -96,7 +96,7 @@ class Sample:
     """The engine's sampling settings of this sample (temperature, top-k/p, min-p, caps, stop ids,
     seed): what ``RolloutEngine.resume`` continues it with."""
     routing: np.ndarray | None = None
-    """``EngineConfig(return_routing=True)``: [num_prompt_tokens + num_response_tokens - 1 (the
+    """``EngineConfig(outputs={"return_routing": True})``: [num_prompt_tokens + num_response_tokens - 1 (the
     positions the engine ran; + 1 after ``error``), num_moe_layers, top_k] int16, row p the experts
     the token at position p was routed to in each MoE layer -- the routing behind the logits of token
     p + 1. None when not requested."""

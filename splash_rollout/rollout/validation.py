@@ -8,7 +8,7 @@ good call. These checks sit here, apart from ``RolloutEngine``, so the rules are
 * ``check_world_size``: every sharded dimension splits evenly over the T ranks (checked before the
   ranks are spawned, not when a worker's ``div_even`` fails halfway through building).
 * ``prompt_ids`` / ``check_sampling``: one prompt's token ids, and the per-prompt SamplingParams.
-* ``check_queue_bound``: a call asks for at most ``EngineConfig.max_queued_requests`` samples.
+* ``check_queue_bound``: a call asks for at most ``EngineConfig.batching.max_queued_requests`` samples.
 * ``agree_across_ranks``: under torchrun every rank calls ``generate``; rank 0's requests are the
   ones served, so ranks that were handed different prompts would silently get rank 0's answers (or
   hang in a collective if one rank rejected its input). A digest of each rank's requests (or its
@@ -73,7 +73,7 @@ def check_queue_bound(params: Sequence[Any], max_queued_requests: int) -> None:
     total = sum(p.n for p in params)
     if total > max_queued_requests:
         raise ValueError(f"sampling: {len(params)} prompts x n ask for {total} samples, more than "
-                         f"EngineConfig.max_queued_requests={max_queued_requests}; split the call or raise the bound")
+                         f"EngineConfig.batching.max_queued_requests={max_queued_requests}; split the call or raise the bound")
 
 
 def check_sampling(params: Sequence[Any], vocab_size: int, sampling_type: type) -> None:

@@ -242,7 +242,7 @@ PRESETS: dict[str, HardwareProfile] = {
     # The CPU engine (its native ``cpu`` attention backend, shared-memory collectives) on two ranks of
     # a 2-core AVX-512 machine, as ``python -m splash_rollout.calibrate --world-size 2`` measured it:
     # rates from the microbenchmarks, the rest fitted to 64 engine steps (median error 9.1 %, max 37 %).
-    # Recalibrate on other CPUs; ``EngineConfig(profile=<yaml>)`` takes the result.
+    # Recalibrate on other CPUs; ``EngineConfig(pricing={"profile": <yaml>})`` takes the result.
     "cpu": HardwareProfile(
         name="cpu", world_size=2, memory_bytes=1 * GiB, mem_fraction=1.0, matmul_flops=81.6e9,
         attention_flops=43.4e9, weight_read_Bps=22.7e9, kv_read_Bps=22.7e9,

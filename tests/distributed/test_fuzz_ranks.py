@@ -17,7 +17,7 @@ CFG = EngineConfig(model="glm5-nano", world_size=2, layout="dp", page_size=8, ma
 
 @pytest.fixture(scope="module")
 def fuzzed():
-    weights = load_model(CFG, resolve_model(CFG.model)).state_dict()  # the ranks' full weights (same seed)
+    weights = load_model(CFG, resolve_model(CFG.model.source)).state_dict()  # the ranks' full weights (same seed)
     with RolloutEngine(CFG) as eng:
         yield eng, weights, [s.response_ids for s in eng.generate(*PROBE).samples]
 

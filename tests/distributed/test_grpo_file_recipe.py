@@ -34,7 +34,7 @@ SMOKE = ["+recipe=grpo_glm5_file", "data.label_key=meta.answer", "reward.fn=file
          "sft.steps=2", "sft.batch_size=8", "grpo.steps=3", "grpo.prompts_per_step=2", "grpo.n=2",
          "grpo.max_new_tokens=16", "eval.every=2", "eval.max_prompts=4", "eval.n=2", "eval.k=[1,2]",
          "eval.max_new_tokens=16", "trainer.save_every=2", "trainer.micro_batch_size=8", "logger=none",
-         "engine.world_size=1", "hardware.threads=1", "engine.sleep_during_train=true", "grpo.kl_coef=0.01",
+         "engine.parallel.world_size=1", "hardware.threads=1", "engine.sleep_during_train=true", "grpo.kl_coef=0.01",
          "grpo.entropy_coef=0.001"]
 
 

@@ -28,8 +28,8 @@ def test_two_grpo_steps_on_two_ranks_across_a_scheduler_switch(tmp_path):
 
     # θ pinned (tests/pinned_profile.py), uncorrected: the correction follows this machine's step
     # times, and with them the machine's load, while this test pins what capacity decides
-    launch(compose_config(TINY + ["engine.world_size=2", "engine.memory_budget_gib=0.002",
-                                  "engine.online_correction=false", f"engine.profile={PINNED_PROFILE}"]),
+    launch(compose_config(TINY + ["engine.parallel.world_size=2", "engine.memory.memory_budget_gib=0.002",
+                                  "engine.pricing.online_correction=false", f"engine.pricing.profile={PINNED_PROFILE}"]),
            str(tmp_path))
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and [l["step"] for l in lines] == [0, 1]
@@ -137,7 +137,7 @@ def test_plain_torch_trainer_on_two_ranks_keeps_the_replicas_in_step(tmp_path):
     the replicas then stay equal, so the engine's shards of step 2 sample the trainer's logprobs."""
     from splash_rollout.run import compose_config, launch
 
-    launch(compose_config(TINY + ["engine.world_size=2", "trainer=torch", "grpo.steps=3"]), str(tmp_path))
+    launch(compose_config(TINY + ["engine.parallel.world_size=2", "trainer=torch", "grpo.steps=3"]), str(tmp_path))
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["grpo_step"] for l in lines] == [0, 1, 2]
     assert all(l["train/logprob_diff_max"] <= 1e-6 for l in lines), [l["train/logprob_diff_max"] for l in lines]

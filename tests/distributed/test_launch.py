@@ -20,7 +20,7 @@ def readme_example() -> str:
     block = re.search(r"## Using the engine\s+```python\n(.*?)```", readme, re.S)
     assert block, "README.md: no python block under '## Using the engine'"
     program, n = re.subn(r"max_new_tokens=\d+", "max_new_tokens=3", block.group(1))
-    assert n >= 1 and "world_size=2" in program and "__main__" not in program
+    assert n >= 1 and "\"world_size\": 2" in program and "__main__" not in program
     return program + 'print("TOKENS", batch.groups[0].samples[0].response_ids)\n'
 
 

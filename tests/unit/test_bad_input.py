@@ -47,7 +47,7 @@ BAD_CALLS = [  # (prompts, sampling, exception, message)
     ([[3]], 5, TypeError, r"sampling: expected SamplingParams or a list of them, got int"),
     ([b"ab"], None, TypeError, r"prompts\[0\]: expected a string or a sequence of token ids, got bytes"),
     ([[3], [4]], SamplingParams(n=40), ValueError,
-     r"sampling: 2 prompts x n ask for 80 samples, more than EngineConfig.max_queued_requests=64"),
+     r"sampling: 2 prompts x n ask for 80 samples, more than EngineConfig.batching.max_queued_requests=64"),
 ]
 
 
@@ -128,7 +128,7 @@ def test_switch_layout_names_an_unknown_layout():
 
 
 def test_default_rank_timeout_is_at_most_a_minute():
-    assert 0 < EngineConfig().rank_timeout_s <= 60
+    assert 0 < EngineConfig().parallel.rank_timeout_s <= 60
 
 
 NANO = PRESETS["glm5-nano"]  # 8 heads, 8 routed experts, dense 384, shared expert 96

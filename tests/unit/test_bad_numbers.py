@@ -112,8 +112,8 @@ def test_max_new_tokens_beyond_the_context_is_capped_with_length(eng):
 
 
 def test_the_queue_bound_is_stated_and_default_sane(eng):
-    assert 1024 <= EngineConfig().max_queued_requests <= 10**6
+    assert 1024 <= EngineConfig().batching.max_queued_requests <= 10**6
     with pytest.raises(ValueError, match=r"1 prompts x n ask for 10000000 samples, more than "
-                                         r"EngineConfig.max_queued_requests=65536"):
+                                         r"EngineConfig.batching.max_queued_requests=65536"):
         eng.generate([[3]], SamplingParams(n=10_000_000))
     assert not eng.local_engine.scheduler.has_unfinished

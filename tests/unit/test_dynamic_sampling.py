@@ -53,8 +53,8 @@ def test_recipe_trains_on_the_first_groups_that_pass(tmp_path, no_leftover_proce
 
     cfg = compose_config(["+recipe=grpo_glm5", "sft.steps=0", "grpo.steps=2", "grpo.prompts_per_step=2",
                           "grpo.oversample_groups=6", "grpo.n=4", "grpo.max_new_tokens=12",
-                          "trainer.micro_batch_size=8", "logger.kind=none", "hardware.threads=1", "engine.world_size=1", "eval.every=0",
-                          "trainer=torch", "engine.numerics=fast", "grpo.rollout_corr.is_level=token",
+                          "trainer.micro_batch_size=8", "logger.kind=none", "hardware.threads=1", "engine.parallel.world_size=1", "eval.every=0",
+                          "trainer=torch", "engine.compute.numerics=fast", "grpo.rollout_corr.is_level=token",
                           "grpo.routing_replay=true",
                           "reward.fn=tests.unit.test_dynamic_sampling:parity_reward"])
     launch(cfg, str(tmp_path))

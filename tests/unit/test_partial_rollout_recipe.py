@@ -16,8 +16,8 @@ from splash_rollout.recipes.grpo.metrics import is_wall_clock
 # 2 cuts groups off in every step
 TINY = ["+recipe=grpo_glm5", "sft.steps=2", "sft.batch_size=8", "sft.warmup_steps=1", "grpo.steps=4",
         "grpo.prompts_per_step=2", "grpo.oversample_groups=6", "grpo.n=4", "grpo.max_new_tokens=16", "grpo.filter=none", "grpo.partial_rollout=true",
-        "grpo.max_off_policy_steps=1", "engine.max_num_seqs=8", "trainer.micro_batch_size=8", "logger.kind=none",
-        "hardware.threads=1", "engine.world_size=1", "trainer=torch", "eval.every=0",
+        "grpo.max_off_policy_steps=1", "engine.batching.max_num_seqs=8", "trainer.micro_batch_size=8", "logger.kind=none",
+        "hardware.threads=1", "engine.parallel.world_size=1", "trainer=torch", "eval.every=0",
         "reward.fn=tests.unit.test_dynamic_sampling:parity_reward"]
 
 

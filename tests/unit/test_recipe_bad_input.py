@@ -31,7 +31,7 @@ def run(tmp_path, *overrides):
     from splash_rollout.recipes.grpo.loop import train
 
     cfg = compose_config(["+recipe=grpo_glm5_file", f"data.path={tmp_path / 'train.jsonl'}", "data.label_key=meta.answer",
-                          "logger=none", "engine.world_size=1", "sft.steps=1", *overrides])
+                          "logger=none", "engine.parallel.world_size=1", "sft.steps=1", *overrides])
     out = tmp_path / "run"
     with pytest.raises(Exception) as info:
         train(cfg, str(out))

@@ -17,7 +17,7 @@ TOOL_KEYS = ("tool/calls_per_sample", "tool/samples_calling", "tool/turns_mean",
              "tool/cut_by_limit")
 TINY = ["+recipe=grpo_glm5_tool", "sft.steps=3", "sft.batch_size=8", "sft.warmup_steps=1", "grpo.steps=2",
         "grpo.prompts_per_step=3", "grpo.n=3", "grpo.max_new_tokens=24", "trainer.micro_batch_size=9",
-        "data.eval_size=3", "eval.every=2", "eval.max_new_tokens=24", "logger=none", "engine.world_size=1",
+        "data.eval_size=3", "eval.every=2", "eval.max_new_tokens=24", "logger=none", "engine.parallel.world_size=1",
         "hardware.threads=1", "sft.save=false"]
 
 

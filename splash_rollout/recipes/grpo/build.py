@@ -58,20 +58,18 @@ def load_reference(path: str, like: torch.nn.Module, dtype: str) -> torch.nn.Mod
 
 
 def build_engine(cfg: DictConfig) -> RolloutEngine:
+    """The engine the recipe's ``engine`` group describes: one mapping per EngineConfig group (null
+    keeps the engine's default); the model's source, dtype and tokenizer, the seed, the device and
+    routing capture come from the recipe's model, seed, hardware and grpo groups."""
     e = cfg.engine
-    kwargs = dict(model=model_source(cfg), world_size=e.world_size, dtype=cfg.model.dtype, seed=cfg.seed,
-                  page_size=e.page_size, max_num_batched_tokens=e.max_num_batched_tokens,
-                  max_num_seqs=e.max_num_seqs, memory_budget_gib=e.memory_budget_gib,
-                  max_model_len=e.max_model_len, device=cfg.hardware.device,
-                  attention_backend=e.attention_backend, tokenizer=cfg.model.tokenizer,
-                  numerics=e.numerics, online_correction=bool(e.online_correction), profile=e.profile,
-                  speculation=str(e.speculation),
-                  return_routing=bool(cfg.grpo.routing_replay),  # the trainer replays it
-                  policy=OmegaConf.to_container(e.policy) if e.policy is not None else None,
-                  driver=OmegaConf.to_container(e.driver) if e.driver is not None else None)
-    if e.layout is not None:
-        kwargs["layout"] = e.layout
-    return RolloutEngine(EngineConfig(**kwargs))
+    group = lambda name, **given: {**(OmegaConf.to_container(e[name]) if e.get(name) is not None else {}),  # noqa: E731
+                                   **given}
+    return RolloutEngine(EngineConfig(
+        model=group("model", source=model_source(cfg), dtype=cfg.model.dtype, seed=cfg.seed,
+                    tokenizer=cfg.model.tokenizer),
+        parallel=group("parallel", device=cfg.hardware.device), memory=group("memory"), batching=group("batching"),
+        policy=group("policy"), driver=group("driver"), pricing=group("pricing"), compute=group("compute"),
+        outputs=group("outputs", return_routing=bool(cfg.grpo.routing_replay))))  # the trainer replays it
 
 
 def build_engine_with_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], version: int = 0) -> RolloutEngine:
@@ -86,8 +84,8 @@ def max_prompt_len(cfg: DictConfig) -> int:
     if cfg.data.max_prompt_len:
         return int(cfg.data.max_prompt_len)
     context = resolve_model(model_source(cfg)).max_position_embeddings
-    if cfg.engine.max_model_len:
-        context = min(context, int(cfg.engine.max_model_len))
+    if cfg.engine.model.max_model_len:
+        context = min(context, int(cfg.engine.model.max_model_len))
     return context - int(max(cfg.grpo.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.every else 0))
 
 

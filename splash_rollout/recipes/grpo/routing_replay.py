@@ -3,7 +3,7 @@
 A MoE router picks its top-k experts by comparing scores; a trainer whose weights differ from the
 engine's by rounding (``numerics=fast``) or by a few steps (stale rollouts) can flip a near tie, and
 the flipped token then trains through experts the rollout never used. With ``grpo.routing_replay``
-the engine returns every sample's routing (``EngineConfig.return_routing``) and the trainer's
+the engine returns every sample's routing (``EngineConfig.outputs.return_routing``) and the trainer's
 forward replays it (``models.moe.routing_context``): the same experts, gating weights from the
 current router.
 """
@@ -25,7 +25,7 @@ def replay_table(samples: Sequence[Sample], seq_len: int) -> tuple[torch.Tensor,
     missing = [i for i, s in enumerate(samples) if s.routing is None]
     if missing:
         raise ValueError(f"routing replay: samples {missing[:5]} carry no routing; build the engine with "
-                         f"EngineConfig(return_routing=True)")
+                         f"EngineConfig(outputs={{\"return_routing\": True}})")
     layers, k = samples[0].routing.shape[1:]
     ids = torch.zeros((len(samples), seq_len, layers, k), dtype=torch.int64)
     replayed = torch.zeros((len(samples), seq_len), dtype=torch.bool)

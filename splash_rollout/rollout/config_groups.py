@@ -1,0 +1,233 @@
+"""The groups of EngineConfig: one frozen dataclass per concern, each field documented and checked here.
+
+``EngineConfig`` (rollout/config.py) holds one of each: ``model``, ``parallel``, ``memory``,
+``batching``, ``pricing``, ``compute``, ``outputs``, beside the layout policy's own ``policy``
+(``scheduling.policy.PolicyConfig``) and ``driver`` (``engine.layout_driver.DriverConfig``). A check
+that needs two groups (FlashMLA's page size and dtype, speculation with routing capture) is
+EngineConfig's.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.numerics import NUMERICS_MODES
+
+DTYPES = ("float32", "bfloat16", "float16")
+SPECULATION_MODES = ("off", "always", "auto")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which model, in which dtype, from which seed."""
+
+    source: str | os.PathLike | ModelConfig = "glm5-nano"
+    """Preset name (random init), HF checkpoint folder, or a ModelConfig (random init)."""
+    dtype: str = "float32"
+    """Model and KV-cache dtype: float32, bfloat16 or float16."""
+    seed: int = 0
+    """Seeds the random init of presets (same seed, same weights) and the default sampling seeds."""
+    tokenizer: str | None = None
+    """Tokenizer name or path for string prompts; None: the model's (checkpoint folder or preset)."""
+    max_model_len: int | None = None
+    """Context limit (prompt + response); None: the model's max_position_embeddings. A prompt must be
+    shorter; a response stops at the limit with finish_reason ``length`` (``max_new_tokens`` is capped
+    by what the context leaves, never refused)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, (str, os.PathLike, ModelConfig)):
+            raise ValueError(f"source: expected a preset name, a checkpoint folder or a ModelConfig, "
+                             f"got {type(self.source).__name__}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed: expected an integer, got {self.seed!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The ranks and the attention layout over them."""
+
+    world_size: int = 1
+    """Ranks in the attention group (T). More than 1: spawned here, or the caller's torchrun ranks."""
+    layout: str = "tp"
+    """Attention layout over the T ranks: tp, dp (DP-attention), dop, cp, or auto (the scheduler's
+    policy picks and switches, starting in DP-attention); meaningless at world_size 1."""
+    device: str = "cpu"
+    """Where every engine tensor lives (weights, KV pool, block tables, batch, logits): ``cpu``,
+    ``cuda`` (rank r on GPU r mod the device count) or an explicit ``cuda:N``."""
+    rank_timeout_s: float = 60.0
+    """Longest wait for any other rank (collectives, step plans); a dead rank becomes an error."""
+    switch_schedule: dict | None = None
+    """{step: layout}: switch at these engine steps (tests and benchmarks; the scheduler decides otherwise)."""
+
+    def __post_init__(self) -> None:
+        from splash_rollout.layout.layouts import Layout
+
+        if not _is_int(self.world_size) or self.world_size < 1:
+            raise ValueError(f"world_size: expected >= 1, got {self.world_size!r}")
+        if str(self.layout).lower() != "auto":
+            Layout.parse(self.layout, "layout")
+        if not self.rank_timeout_s > 0:
+            raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
+        for step, name in (self.switch_schedule or {}).items():
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"switch_schedule: steps must be non-negative integers, got {step!r}")
+            Layout.parse(name, f"switch_schedule[{step}]")
+
+    @property
+    def auto(self) -> bool:
+        """Whether the scheduler's policy chooses the layout."""
+        return str(self.layout).lower() == "auto"
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The KV pool and how requests are admitted into it."""
+
+    memory_budget_gib: float = 0.25
+    """KV-pool memory per rank; ignored when ``num_pages`` is given."""
+    num_pages: int | None = None
+    """Exact KV-pool size in pages (overrides ``memory_budget_gib``)."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    admission: str = "optimistic"
+    """``optimistic``: admit on each request's expected growth (a ratio of its remaining cap that decays
+    while memory holds, scheduling/admission.py) and, when a step runs out of KV pages, retract the
+    youngest requests (tokens kept; they re-prefill later and continue exactly). ``worst_case``:
+    every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
+    prefix_sharing: bool = True
+    """The samples of a prompt (``n`` > 1) share its KV pages and prefill it once."""
+
+    def __post_init__(self) -> None:
+        from splash_rollout.scheduling.admission import ADMISSION_MODES
+
+        if self.page_size < 1:
+            raise ValueError(f"page_size: expected >= 1, got {self.page_size}")
+        if self.num_pages is None and not self.memory_budget_gib > 0:
+            raise ValueError(f"memory_budget_gib: expected > 0, got {self.memory_budget_gib}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")
+        if not isinstance(self.prefix_sharing, bool):
+            raise ValueError(f"prefix_sharing: expected True or False, got {self.prefix_sharing!r}")
+
+
+@dataclass(frozen=True)
+class BatchingOptions:
+    """How much one step and one call may hold."""
+
+    max_num_batched_tokens: int = 512
+    """Per-step query-row budget shared by decode rows and prefill chunks."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_queued_requests: int = 65536
+    """Most samples one ``generate`` call may ask for (prompts x n): a call beyond it is refused up
+    front, naming the bound, instead of building millions of requests."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: expected >= 1, got {self.max_num_seqs}")
+        if not _is_int(self.max_queued_requests) or self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests: expected an integer >= 1, got {self.max_queued_requests!r}")
+
+
+@dataclass(frozen=True)
+class PricingOptions:
+    """The step times ``layout="auto"`` and ``speculation="auto"`` price their choices with."""
+
+    profile: str = "cpu"
+    """Hardware profile: a preset (cpu, h100, h200, b200, ...) or a YAML file (scheduling/profile.py);
+    its rates are used, the engine's own pools replace its memory."""
+    online_correction: bool = True
+    """Correct the profile's step times online from the steps this machine measures (shared
+    per-stage-group factors, then per-layout and per-step-shape factors, each shrunk toward the
+    profile until observations outweigh it; scheduling/online.py). The factors are in every timeline
+    decision (``correction``). False: price with the profile as it is."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.online_correction, bool):
+            raise ValueError(f"online_correction: expected True or False, got {self.online_correction!r}")
+
+
+@dataclass(frozen=True)
+class ComputeOptions:
+    """How a step computes: kernels, numerics, speculation, threads."""
+
+    attention_backend: str = "cpu"
+    """``cpu`` (default): a native kernel (built with the system C++ compiler at first use, cached)
+    that reads the paged KV pool in place, for float32 / bfloat16 pools on the CPU; other pools,
+    or a machine without a compiler, take ``torch``. ``torch``: one layer for every request of a
+    step in a few batched tensor ops; ``torch_ref``: one exact attention per request, the reference
+    the others are tested against; ``triton``: split-KV Triton kernels (the ``gpu`` extra; CUDA);
+    ``flashmla``: FlashMLA's dense decode for whole-history decode rows, the rest through ``triton``
+    (``sgl-flash-mla``, SM90, page_size 64, bfloat16)."""
+    numerics: str = "fast"
+    """``fast``: float32 kernels as torch picks them. ``reproducible``: matmuls and reductions
+    accumulate in float64 and round once, so a token's logprob no longer depends on batch size,
+    padding, chunking or layout, and equals a trainer's (same process, same mode) to float32
+    rounding; costs float64 matmul speed. Process-wide while the engine lives (models/numerics.py),
+    set on every rank and in the calling process."""
+    speculation: str = "off"
+    """Speculative decoding without a draft model (engine/drafter.py): ``always`` drafts the next
+    tokens of every decoding request from its prompt's other samples (live, and earlier calls') and
+    its own text, and verifies them in one step, keeping exactly the tokens decoding one at a time
+    gives (every row sampled with its own seeded draw); ``auto`` drafts on the steps where the cost
+    model, with the measured acceptance, predicts more tokens per second (as the batch drains);
+    ``off`` (default) decodes one token a step."""
+    cpu_share: bool = True
+    """On CPU with one rank: each step uses only the cores other processes leave free (read from
+    /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or
+    another job on the same cores then slows the engine by its fair share instead of stalling every
+    OpenMP barrier (measured 2 cores, one 2-thread job beside: 7-21 tokens/s with 2 threads kept,
+    89-125 with 1). Ranks of a multi-rank engine keep their thread count: they compute replicated
+    values that must agree bit for bit. False: always the threads set at build time."""
+    flush_denormal: bool = True
+    """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
+    of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below
+    1e-38. Set False to leave the process flag alone."""
+
+    def __post_init__(self) -> None:
+        from splash_rollout.engine.attention import available_backends
+
+        if self.attention_backend not in available_backends():
+            raise ValueError(f"attention_backend: expected one of {available_backends()}, "
+                             f"got {self.attention_backend!r}")
+        if self.numerics not in NUMERICS_MODES:
+            raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
+        for name in ("cpu_share", "flush_denormal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What a call hands back beyond the samples, and what it shows while it runs."""
+
+    progress: bool | None = None
+    """A progress bar on ``generate`` (requests done / total, layout, tokens/s), drawn on stderr by the
+    driver (rank 0). None: only when stderr is a terminal (logs, CI and tests stay clean); True /
+    False: always / never."""
+    return_routing: bool = False
+    """Every sample carries ``routing``: the experts each of its tokens was routed to in every MoE
+    layer ([positions run, MoE layers, top_k] int16), so a trainer can replay them
+    (``models.moe.routing_context``). Off by default: it costs that array per sample."""
+
+    def __post_init__(self) -> None:
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ValueError(f"progress: expected None, True or False, got {self.progress!r}")
+        if not isinstance(self.return_routing, bool):
+            raise TypeError(f"return_routing: expected a bool, got {type(self.return_routing).__name__}")

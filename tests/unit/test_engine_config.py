@@ -1,0 +1,82 @@
+"""EngineConfig: one frozen config grouped by concern, built from groups, mappings or (this release)
+the flat names of earlier releases, and the recipe's Hydra engine group reaching every group."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from splash_rollout.engine.layout_driver import DriverConfig
+from splash_rollout.layout.layouts import Layout
+from splash_rollout.rollout.config import FLAT_NAMES, GROUPS, EngineConfig
+from splash_rollout.rollout.config_groups import MemoryOptions, ModelOptions, ParallelOptions
+from splash_rollout.scheduling.policy import PolicyConfig
+
+
+def test_groups_from_instances_mappings_and_a_bare_model_name():
+    config = EngineConfig(model="glm5-nano", parallel=ParallelOptions(world_size=2, layout="auto"),
+                          memory={"page_size": 8, "admission": "worst_case"}, policy={"min_dwell_steps": 8})
+    assert config.model == ModelOptions(source="glm5-nano")
+    assert (config.parallel.world_size, config.parallel.layout, config.parallel.auto) == (2, "auto", True)
+    assert config.memory == MemoryOptions(page_size=8, admission="worst_case")
+    assert config.policy == PolicyConfig(min_dwell_steps=8)
+    assert config.driver == DriverConfig()  # an omitted group is its defaults
+    assert pickle.loads(pickle.dumps(config)) == config  # ranks receive it pickled
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.parallel = ParallelOptions()
+
+
+def test_flat_names_land_in_their_groups_and_match_the_grouped_form():
+    flat = EngineConfig(model="glm5-nano", world_size=2, layout="dp", page_size=8, numerics="reproducible",
+                        max_num_seqs=4, profile="cpu-torch", progress=False)
+    grouped = EngineConfig(model="glm5-nano", parallel={"world_size": 2, "layout": "dp"}, memory={"page_size": 8},
+                           compute={"numerics": "reproducible"}, batching={"max_num_seqs": 4},
+                           pricing={"profile": "cpu-torch"}, outputs={"progress": False})
+    assert flat == grouped
+    assert flat.replace(world_size=4).parallel.world_size == 4
+    assert flat.replace(memory={"page_size": 32}).memory.page_size == 32
+    for name, (group, field) in FLAT_NAMES.items():  # every flat name is a field of the group it names
+        assert group in GROUPS and field in {f.name for f in dataclasses.fields(GROUPS[group])}, name
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"memory": {"page_size": 0}}, ValueError, r"memory\.page_size: expected >= 1"),
+    ({"page_size": 0}, ValueError, r"memory\.page_size: expected >= 1"),
+    ({"memory": {"page_sz": 8}}, ValueError, r"memory: unknown field\(s\) \['page_sz'\]"),
+    ({"parallel": {"layout": "ring"}}, ValueError, "layout"),
+    ({"policy": {"decide_every_steps": 4}}, ValueError, r"policy\.decide_every_steps: moved to the driver"),
+    ({"compute": "fast"}, TypeError, r"compute: expected a ComputeOptions"),
+    ({"worldsize": 2}, TypeError, r"unknown option\(s\) \['worldsize'\]"),
+    ({"speculation": "auto", "return_routing": True}, ValueError, r"compute\.speculation: not yet with outputs"),
+    ({"attention_backend": "flashmla"}, ValueError, r"FlashMLA reads bfloat16 pages of 64 tokens"),
+    ({"max_queued_requests": True}, ValueError, r"batching\.max_queued_requests: expected an integer"),
+])
+def test_bad_options_are_refused_naming_the_group_and_field(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_the_recipe_engine_group_reaches_every_group(monkeypatch):
+    from omegaconf import OmegaConf
+
+    import splash_rollout.recipes.grpo.build as build
+    from splash_rollout.run import compose_config
+
+    cfg = compose_config(["+recipe=grpo_glm5", "engine.parallel.world_size=1", "engine.parallel.layout=dp",
+                          "engine.memory.admission=worst_case", "engine.batching.max_num_seqs=3",
+                          "engine.policy.min_dwell_steps=5", "engine.driver.decide_every_steps=7",
+                          "engine.pricing.online_correction=false", "engine.compute.cpu_share=false",
+                          "engine.outputs.progress=false"])
+    assert set(GROUPS) <= set(OmegaConf.to_container(cfg.engine))
+    seen = {}
+    monkeypatch.setattr(build, "RolloutEngine", lambda config: seen.setdefault("config", config))
+    build.build_engine(cfg)
+    config = seen["config"]
+    assert (config.parallel.world_size, config.parallel.layout) == (1, "dp")
+    assert config.memory.admission == "worst_case" and config.memory.memory_budget_gib == 0.006  # the recipe's
+    assert config.batching.max_num_seqs == 3
+    assert config.policy.min_dwell_steps == 5 and config.driver.decide_every_steps == 7
+    assert config.pricing.online_correction is False and config.compute.cpu_share is False
+    assert config.outputs.progress is False and config.compute.numerics == "reproducible"
+    assert config.model.seed == cfg.seed and Layout.parse(config.parallel.layout) is Layout.DP
