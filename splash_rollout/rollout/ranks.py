@@ -201,7 +201,7 @@ def load_model(config, model_config: ModelConfig):
 def engine_settings(config, model_config: ModelConfig, world_size: int) -> EngineSettings:
     """An EngineConfig's serving settings on T ranks: the pools each layout gets from the budget."""
     dtype = TORCH_DTYPES[config.model.dtype]
-    auto = str(config.parallel.layout).lower() == "auto"
+    auto = config.parallel.auto
     layout = Layout.DP if auto else Layout.parse(config.parallel.layout)  # auto starts where wide batches run well
     budget = int(config.memory.memory_budget_gib * 2**30)
     by_layout = None if config.memory.num_pages else {
@@ -245,7 +245,7 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
     settings = dataclasses.replace(settings, device=rank_device(config, groups.rank))
     policy, price_step = None, None
     budget = int(config.memory.memory_budget_gib * 2**30)
-    if str(config.parallel.layout).lower() == "auto" and groups.rank == 0 and groups.world_size > 1:
+    if config.parallel.auto and groups.rank == 0 and groups.world_size > 1:
         policy = make_policy(config, model_config, groups.world_size, budget, settings.dtype)
     if config.compute.speculation == "auto" and groups.rank == 0:  # the speculation gate prices with the same θ
         pricing = policy or make_policy(config, model_config, groups.world_size, budget, settings.dtype)
