@@ -168,15 +168,9 @@ class ShmChannel:
         rank, c = rows per slot; the number of operations depends only on ``sizes`` and the row
         shape, which every rank agrees on. A row wider than a slot raises ValueError before any
         operation (the caller checks ``rows_fit`` first)."""
-        row_elems = 1
-        for d in local.shape[1:]:
-            row_elems *= d
-        row_bytes = row_elems * local.element_size()
-        if not self.rows_fit(row_bytes):
-            raise ValueError(f"all_gather_rows_: a row of {row_bytes} bytes exceeds the {self.slot_bytes}-byte slot")
+        row_elems, row_bytes, per_op = self._row_pieces(local, "all_gather_rows_")
         flat = local.contiguous().view(local.shape[0], row_elems).view(torch.uint8)  # [n, row_bytes]
         dst = out.view(out.shape[0], row_elems).view(torch.uint8)  # [sum(sizes), row_bytes]
-        per_op = max(self.slot_bytes // max(row_bytes, 1), 1)
         starts = [sum(sizes[:q]) for q in range(self.world_size)]
         for first in range(0, max(max(sizes), 1), per_op):
             seq = self._begin("all_gather")
@@ -197,15 +191,9 @@ class ShmChannel:
         ``full`` [sum(sizes), ...], added in rank order (the bits an all-reduce gives those rows).
         Operation k carries rows [k*c, (k+1)*c) of ``full``, c = rows per slot; a rank writes only
         the rows the others read and reads its own rows from ``full``."""
-        row_elems = 1
-        for d in full.shape[1:]:
-            row_elems *= d
-        row_bytes = row_elems * full.element_size()
-        if not self.rows_fit(row_bytes):
-            raise ValueError(f"reduce_scatter_rows_: a row of {row_bytes} bytes exceeds the {self.slot_bytes}-byte slot")
+        row_elems, row_bytes, per_op = self._row_pieces(full, "reduce_scatter_rows_")
         src = full.contiguous().view(full.shape[0], row_elems)  # [N, row]
         dst = out.view(out.shape[0], row_elems)  # [n, row]
-        per_op = max(self.slot_bytes // max(row_bytes, 1), 1)
         lo = sum(sizes[: self.rank])
         hi = lo + sizes[self.rank]
         for first in range(0, max(src.shape[0], 1), per_op):
@@ -231,6 +219,16 @@ class ShmChannel:
             for part in parts[2:]:
                 target += part
         return out
+
+    def _row_pieces(self, t: torch.Tensor, what: str) -> tuple[int, int, int]:
+        """(elements of a row of ``t``, its bytes, rows per slot); ValueError if a row exceeds a slot."""
+        row_elems = 1
+        for d in t.shape[1:]:
+            row_elems *= d
+        row_bytes = row_elems * t.element_size()
+        if not self.rows_fit(row_bytes):
+            raise ValueError(f"{what}: a row of {row_bytes} bytes exceeds the {self.slot_bytes}-byte slot")
+        return row_elems, row_bytes, max(self.slot_bytes // max(row_bytes, 1), 1)
 
     def rows_fit(self, row_bytes: int) -> bool:
         """Whether one row fits a slot (then any number of rows can be gathered here)."""
