@@ -154,6 +154,7 @@ class Trainer:
                 "steps_per_print": 1 << 30,
                 "wall_clock_breakdown": False,
             }
+            refuse_stale_build_locks()
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params,
                                                                      config=ds_config)
             self.model = self.engine.module
@@ -285,3 +286,30 @@ class Trainer:
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.config.backend, "world_size": self.world_size, **asdict(self.config)}
+
+
+STALE_BUILD_LOCK_S = 600.0
+"""A JIT-build lock older than this is left over from a killed build (a build here takes about a minute)."""
+
+
+def refuse_stale_build_locks(root: str | None = None, max_age_s: float = STALE_BUILD_LOCK_S) -> None:
+    """DeepSpeed builds its CPU ops with torch's JIT extension loader, which waits without a time limit
+    on a ``lock`` file in the build folder; a build killed midway leaves it and every later run hangs
+    inside ``deepspeed.initialize``. Refuse, naming the file, when an old one is there."""
+    import glob
+    import time
+
+    if root is None:  # torch's JIT build folder (torch.utils.cpp_extension)
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+            os.path.expanduser("~"), ".cache", "torch_extensions")
+    now = time.time()
+    for lock in glob.glob(os.path.join(root, "**", "lock"), recursive=True):
+        try:
+            age = now - os.path.getmtime(lock)
+        except OSError:  # removed meanwhile: a build finished
+            continue
+        if age > max_age_s:
+            raise RuntimeError(f"trainer: {lock} is {age / 60:.0f} minutes old -- left by a DeepSpeed op build "
+                               f"that was killed; torch would wait on it forever. Remove it (no build is running "
+                               f"if this is the only job) and start again")
+
