@@ -150,13 +150,7 @@ class ShmChannel:
         self._slot(seq, self.rank)[:nbytes].copy_(piece.view(torch.uint8))
         self._publish(seq)
         self._wait(seq, range(self.world_size), "all_reduce")
-        parts = [self._slot(seq, q)[:nbytes].view(piece.dtype) for q in range(self.world_size)]
-        if len(parts) == 1:
-            piece.copy_(parts[0])
-            return
-        torch.add(parts[0], parts[1], out=piece)  # the same bits as summing rank 0, then 1, ...
-        for part in parts[2:]:
-            piece += part
+        _sum_in_rank_order([self._slot(seq, q)[:nbytes].view(piece.dtype) for q in range(self.world_size)], piece)
 
     def all_gather_(self, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``out`` [T * n, ...] gets every rank's ``local`` [n, ...] (same shape on every rank) in rank order."""
@@ -199,25 +193,19 @@ class ShmChannel:
         for first in range(0, max(src.shape[0], 1), per_op):
             last = min(first + per_op, src.shape[0])
             seq = self._begin("reduce_scatter")
-            slot = self._slot(seq, self.rank)[: (last - first) * row_bytes].view(full.dtype).view(-1, row_elems)
+            rows_of = lambda q: self._slot(seq, q)[: (last - first) * row_bytes].view(full.dtype).view(  # noqa: E731
+                last - first, row_elems)  # rank q's rows [first, last) of this operation
+            mine = rows_of(self.rank)
             for a, b in ((first, min(last, lo)), (max(first, hi), last)):  # the rows around this rank's own
                 if a < b:
-                    slot[a - first: b - first].copy_(src[a:b])
+                    mine[a - first: b - first].copy_(src[a:b])
             self._publish(seq)
             self._wait(seq, range(self.world_size), "reduce_scatter")
             a, b = max(first, lo), min(last, hi)
-            if a >= b:
-                continue
-            parts = [src[a:b] if q == self.rank else
-                     self._slot(seq, q)[: (last - first) * row_bytes].view(full.dtype).view(-1, row_elems)[a - first: b - first]
-                     for q in range(self.world_size)]
-            target = dst[a - lo: b - lo]
-            if len(parts) == 1:
-                target.copy_(parts[0])
-                continue
-            torch.add(parts[0], parts[1], out=target)  # rank order, as all_reduce_ adds
-            for part in parts[2:]:
-                target += part
+            if a < b:
+                parts = [src[a:b] if q == self.rank else rows_of(q)[a - first: b - first]
+                         for q in range(self.world_size)]
+                _sum_in_rank_order(parts, dst[a - lo: b - lo])
         return out
 
     def _row_pieces(self, t: torch.Tensor, what: str) -> tuple[int, int, int]:
@@ -300,6 +288,16 @@ class ShmChannel:
             self._map.close()
         except BufferError:  # a view of the mapping is still alive somewhere: the OS frees it at exit
             pass
+
+
+def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    """out = parts[0] + parts[1] + ..., added left to right (rank order: the same bits on every rank)."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out += part
 
 
 def open_channel(group, rank: int, world_size: int, timeout_s: float,

@@ -39,15 +39,9 @@ GROUPS: dict[str, type] = {"model": ModelOptions, "parallel": ParallelOptions, "
 """Group name -> its config class, in declaration order."""
 
 FLAT_NAMES: dict[str, tuple[str, str]] = {
-    **{name: ("parallel", name) for name in ("world_size", "layout", "device", "rank_timeout_s", "switch_schedule")},
-    **{name: ("model", name) for name in ("dtype", "seed", "tokenizer", "max_model_len")},
-    **{name: ("memory", name) for name in ("memory_budget_gib", "num_pages", "page_size", "admission",
-                                           "prefix_sharing")},
-    **{name: ("batching", name) for name in ("max_num_batched_tokens", "max_num_seqs", "max_queued_requests")},
-    **{name: ("pricing", name) for name in ("profile", "online_correction")},
-    **{name: ("compute", name) for name in ("attention_backend", "numerics", "speculation", "cpu_share",
-                                            "flush_denormal")},
-    **{name: ("outputs", name) for name in ("progress", "return_routing")},
+    f.name: (group, f.name)
+    for group in ("parallel", "model", "memory", "batching", "pricing", "compute", "outputs")
+    for f in dataclasses.fields(GROUPS[group]) if f.name != "source"  # ``model=`` was the source itself
 }
 """Earlier releases' flat EngineConfig keywords -> (group, field); taken for this release."""
 

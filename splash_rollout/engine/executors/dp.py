@@ -16,11 +16,14 @@ from splash_rollout.engine.parallel_mlp import ParallelFeedForward
 
 def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, list[int]]:
     """(order [N] int64: the batch's rows grouped by owner rank, batch order within an owner;
-    counts [T]: rows each rank owns)."""
-    owners = batch.row_owners
-    order = torch.argsort(owners, stable=True)
-    counts = torch.bincount(owners, minlength=world_size).tolist() if owners.numel() else [0] * world_size
-    return order, counts
+    counts [T]: rows each rank owns). Cached on the batch: every layer of a step asks."""
+    key = ("rows_by_owner", world_size)
+    if key not in batch.scratch:
+        owners = batch.row_owners
+        order = torch.argsort(owners, stable=True)
+        counts = torch.bincount(owners, minlength=world_size).tolist() if owners.numel() else [0] * world_size
+        batch.scratch[key] = (order, counts)
+    return batch.scratch[key]
 
 
 class DPExecutor(AttentionExecutor):

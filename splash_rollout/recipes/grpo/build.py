@@ -62,8 +62,11 @@ def build_engine(cfg: DictConfig) -> RolloutEngine:
     keeps the engine's default); the model's source, dtype and tokenizer, the seed, the device and
     routing capture come from the recipe's model, seed, hardware and grpo groups."""
     e = cfg.engine
-    group = lambda name, **given: {**(OmegaConf.to_container(e[name]) if e.get(name) is not None else {}),  # noqa: E731
-                                   **given}
+
+    def group(name: str, **given) -> dict:
+        """The recipe's ``engine.<name>`` fields, with ``given`` added from the other groups."""
+        return {**(OmegaConf.to_container(e[name]) if e.get(name) is not None else {}), **given}
+
     return RolloutEngine(EngineConfig(
         model=group("model", source=model_source(cfg), dtype=cfg.model.dtype, seed=cfg.seed,
                     tokenizer=cfg.model.tokenizer),
