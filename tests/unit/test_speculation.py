@@ -116,6 +116,17 @@ def test_drafts_run_as_long_as_the_samples_agree():
     assert drafter.propose(me, 8)[:1] == (11,)
 
 
+def test_a_single_token_match_drafts_nothing_unless_allowed():
+    sibling = _request(0, [1], [10, 11, 12, 13])
+    me = _request(1, [1], [20, 12])  # only the token 12 was seen before
+    for min_match, expected in ((2, ()), (1, (13,))):
+        drafter = SuffixDrafter(max_ngram=3, min_match=min_match, min_confidence=0.0)
+        drafter.observe(sibling, 0, 0)
+        assert drafter.propose(me, 8) == expected
+    with pytest.raises(ValueError, match="min_match"):
+        SuffixDrafter(max_ngram=2, min_match=3)
+
+
 def test_a_rejected_draft_shortens_the_next():
     drafter = SuffixDrafter(max_draft=8, max_ngram=2, tokens_per_match=4.0, min_confidence=0.0)
     prompt = [1]
@@ -130,7 +141,7 @@ def test_a_rejected_draft_shortens_the_next():
 
 
 def test_the_history_of_a_prompt_is_bounded():
-    drafter = SuffixDrafter(max_ngram=1, history_per_prompt=2, min_confidence=0.0)
+    drafter = SuffixDrafter(max_ngram=1, min_match=1, history_per_prompt=2, min_confidence=0.0)
     for rid in range(4):
         r = _request(rid, [1], [100 + rid, 200 + rid])
         drafter.observe(r, 0, 0)
