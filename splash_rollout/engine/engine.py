@@ -386,10 +386,12 @@ class Engine:
             self._feed_gate(scheduled, self.step_log[-1], switched)
 
     def _feed_gate(self, scheduled: list[ScheduledSeq], record: dict, switched: bool) -> None:
-        """Rank 0 under ``speculation="auto"``: what the step's cap bought, and, for a decode step that
-        did not switch, what it cost against θ."""
+        """Rank 0 under ``speculation="auto"``: what the step's cap bought, what it wrote in its seconds,
+        and, for a decode step that did not switch, what it cost against θ."""
         self.gate.record(record["draft_cap"], record["verified"], record["draft_tokens"], record["accepted_tokens"],
                          record["accepted_sq"])
+        if not switched:
+            self.gate.measure(record["tokens_written"], record["seconds"], drafted=record["draft_tokens"] > 0)
         if switched or record["prefill_rows"]:
             return
         rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))

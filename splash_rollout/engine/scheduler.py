@@ -145,6 +145,8 @@ class Scheduler:
         """Drafted tokens this step's verification kept."""
         self.accepted_sq = 0
         """Sum over this step's verified requests of the square of what each kept (its spread)."""
+        self.written = 0
+        """Tokens this step appended to its requests (sampled, drafts kept included)."""
         self.draft_cap = 0
         """Most drafted tokens per request this step (set before each step from the driver's control)."""
 
@@ -202,7 +204,7 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
         self.copies, self.retracted, self.prefix_hit_tokens, self.prefix_sources = [], [], 0, []
-        self.drafts, self.accepted, self.accepted_sq = {}, 0, 0
+        self.drafts, self.accepted, self.accepted_sq, self.written = {}, 0, 0, 0
         self.estimate.stepped()
         plan = self._fit(self._running_rows())
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
@@ -439,6 +441,7 @@ class Scheduler:
                 req.num_computed_tokens = s.request.num_computed_tokens
                 req.append_token(int(tokens[k]), float(logprobs[k]))
                 k += 1
+                self.written += 1
                 if self.drafter is not None:
                     self.drafter.observe(req, 0, 0)
                 if req.finish_reason is not None:
@@ -467,6 +470,7 @@ class Scheduler:
         self.drafter.observe(req, len(draft), accepted)
         self.accepted += accepted
         self.accepted_sq += accepted * accepted
+        self.written += kept
         if req.finish_reason is not None:
             self.finish(req, req.finish_reason)
             finished.append(req)

@@ -18,7 +18,10 @@ kept falls along it, so the geometric sum over-promises long caps),
 
 against 1 token for t(B rows). While requests wait, the gate takes the cap (0, 1, 2, 4, ... up to
 ``max_draft``) with the most tokens per second: the queue refills the batch, so throughput is the
-call's time. Once nothing waits, the call lasts as long as its slowest request: with S steps left
+call's time -- and there a drafted step costs more than its rows (requests finish at staggered
+steps, so the queue's prompts arrive in more, smaller chunks), so once both kinds have run
+``regime_steps`` steps at a batch width, their measured tokens per second decide drafting on or off
+there (the kind θ would not choose is run once for that many steps to measure it). Once nothing waits, the call lasts as long as its slowest request: with S steps left
 (the median budget left of the running requests), K a request's kept tokens per step (mean m and
 variance v, from the per-cap record) and B requests, the slowest of them gains about
 max(0, m·S - sqrt(2 ln B)·sqrt(v·S)) tokens over those steps -- drafts that speed the average
@@ -62,13 +65,21 @@ class GateChoice:
 class SpeculationGate:
     def __init__(self, price: Callable[[StepBatch], float], stats: DraftStats, max_draft: int = 8,
                  prior_alpha: float = 0.5, prior_weight: float = 16.0, reprice_steps: int = 8,
-                 min_observed: int = 4, explore_every: int = 4, min_verified: int = 16) -> None:
+                 min_observed: int = 4, explore_every: int = 4, min_verified: int = 16,
+                 regime_steps: int = 16) -> None:
         """price: predicted seconds of a step batch in the current layout (the cost model, corrected
         online where the engine has a correction); stats: the drafter's running record."""
         self.price, self.stats, self.max_draft = price, stats, max_draft
         self.prior_alpha, self.prior_weight, self.reprice_steps = prior_alpha, prior_weight, reprice_steps
         self.min_observed, self.explore_every = min_observed, explore_every
         self.min_verified = min_verified
+        self.regime_steps = regime_steps
+        self.throughput: dict[tuple[int, bool], list[float]] = {}
+        """(width, drafted) -> decayed [steps, tokens, seconds] of the steps run while requests waited."""
+        self._block: tuple[int, int, int] | None = None
+        """(width, cap, last step) of a run of steps measuring a kind while requests wait."""
+        self._last_throughput_width: int | None = None
+        """The width of the step just chosen under the throughput objective (None: the other objective)."""
         self.verified: dict[int, list[float]] = {}
         """cap -> [verified requests, drafted tokens, kept tokens, sum of kept squared] while it was in
         force (decayed)."""
@@ -205,13 +216,72 @@ class SpeculationGate:
         steps_left = None
         if not queued and not prefill_rows and tokens_left is not None and tokens_left.size:
             steps_left = float(np.median(tokens_left))
-        choice = self._decided(step, context, prefill_rows, steps_left)
+        self._last_throughput_width = self.width(context.size) if steps_left is None and context.size else None
+        if self._last_throughput_width is not None:
+            return self._by_throughput(step, context, prefill_rows)
+        choice = self._logged(step, self._decided(step, context, prefill_rows, steps_left))
         other = 0 if choice.cap else min(2, self.max_draft)
         seen = self.observed.get((self.width(context.size), bool(other)), 0)
         if (context.size and not prefill_rows and seen < self.min_observed
                 and step - self._explored_at >= self.explore_every):
             self._explored_at = step  # measure the kind not chosen: what the correction needs
             return GateChoice(other, f"measuring a {'drafted' if other else 'plain'} step", choice.tokens_per_s)
+        return choice
+
+    def measure(self, tokens: int, seconds: float, drafted: bool, decay: float = 0.97) -> None:
+        """The step just chosen wrote ``tokens`` in ``seconds``; counted toward its kind's throughput at
+        its width when it ran under the throughput objective (requests waiting or prompt chunks in it)."""
+        w = self._last_throughput_width
+        if w is None or seconds <= 0:
+            return
+        acc = self.throughput.setdefault((w, drafted), [0.0, 0.0, 0.0])
+        for i, x in enumerate((1.0, float(tokens), seconds)):
+            acc[i] = decay * acc[i] + x
+
+    def measured_rate(self, width: int, drafted: bool) -> float | None:
+        """Measured tokens per second of this kind of step at ``width`` while requests waited, once it
+        has ``regime_steps`` steps' worth (decayed), else None."""
+        acc = self.throughput.get((width, drafted))
+        if acc is None or acc[0] < self.regime_steps * 0.75:  # 16 steps decayed at 0.97 weigh ~13
+            return None
+        return acc[1] / acc[2]
+
+    def _by_throughput(self, step: int, context: np.ndarray, prefill_rows: int) -> GateChoice:
+        """While requests wait, the queue refills the batch and the call's time is its throughput. What
+        a drafted step costs there is more than its rows: requests finish at staggered steps, so the
+        queue's prompts are admitted in more, smaller chunks (the 256-prompt queued call: twice the
+        steps carrying prompt chunks, each costing about what a larger chunk did). θ sees one step,
+        not that, so here the gate measures both kinds as runs of ``regime_steps`` steps at each batch
+        width and keeps the faster; θ's choice stands until both are measured."""
+        w = self.width(context.size)
+        modelled = self._decided(step, context, prefill_rows, None)
+        if self.regime_steps <= 0:
+            return self._logged(step, modelled)
+        if self._block is not None and self._block[0] == w and step <= self._block[2]:
+            return self._logged(step, GateChoice(self._block[1], "measuring a run of "
+                                                 f"{'drafted' if self._block[1] else 'plain'} steps while requests "
+                                                 "wait", modelled.tokens_per_s))
+        best_drafted = max((c for c in self.caps if c), key=lambda c: (modelled.tokens_per_s.get(c, 0.0), -c))
+        plain, drafted = self.measured_rate(w, False), self.measured_rate(w, True)
+        if plain is None or drafted is None:
+            unmeasured_cap = 0 if plain is None else best_drafted
+            if (modelled.cap > 0) != (unmeasured_cap > 0):  # θ would not run it: run it for a while
+                self._block = (w, unmeasured_cap, step + self.regime_steps - 1)
+                return self._logged(step, GateChoice(unmeasured_cap, "measuring a run of "
+                                                     f"{'drafted' if unmeasured_cap else 'plain'} steps while "
+                                                     "requests wait", modelled.tokens_per_s))
+            return self._logged(step, modelled)
+        cap = best_drafted if drafted > plain else 0
+        why = (f"{int(context.size)} decoding, requests waiting: measured {plain:.0f} tok/s plain vs "
+               f"{drafted:.0f} drafted at this width")
+        return self._logged(step, GateChoice(cap, why, modelled.tokens_per_s))
+
+    def _logged(self, step: int, choice: GateChoice) -> GateChoice:
+        """``choice``, its change of cap appended to ``log``."""
+        if choice.cap != self._choice.cap or not self.log:
+            self.log.append({"step": step, "cap": choice.cap, "reason": choice.reason,
+                             "tokens_per_s": {str(k): v for k, v in choice.tokens_per_s.items()}})
+        self._choice = choice
         return choice
 
     def _decided(self, step: int, context: np.ndarray, prefill_rows: int, steps_left: float | None) -> GateChoice:
@@ -226,10 +296,6 @@ class SpeculationGate:
             if self._theta is None or self._theta[0] != key or step - self._theta[1] >= self.reprice_steps:
                 self._theta = (key, step, self._theta_seconds(context, prefill_rows, drafted, lengths))
             choice = self._rated(b, drafted, f, self._theta[2], steps_left)
-        if choice.cap != self._choice.cap or not self.log:
-            self.log.append({"step": step, "cap": choice.cap, "reason": choice.reason,
-                             "tokens_per_s": {str(k): v for k, v in choice.tokens_per_s.items()}})
-        self._choice = choice
         return choice
 
     def _theta_seconds(self, context: np.ndarray, prefill_rows: int, drafted: int,

@@ -171,7 +171,7 @@ def test_the_gate_drafts_where_rows_are_cheap_and_not_where_the_batch_is_wide():
         return 0.010 + 0.001 * max(0, int(step.query_rows.sum()) - 16)
 
     stats = DraftStats(proposed=100, accepted=60, rejections=20, asked=50, drafted_requests=40)
-    gate = SpeculationGate(price, stats, max_draft=8, min_observed=0)
+    gate = SpeculationGate(price, stats, max_draft=8, min_observed=0, regime_steps=0)  # θ alone
     overall = (60 + 8) / (80 + 16)
     assert gate.alpha() == pytest.approx((60 + overall * 16) / (80 + 16))  # no new_call yet: all of it is this call's
     gate_b = SpeculationGate(price, stats, max_draft=8)
@@ -209,12 +209,36 @@ def test_the_gate_measures_the_kind_of_step_it_did_not_choose():
     from splash_rollout.engine.speculation_gate import SpeculationGate
 
     gate = SpeculationGate(lambda step: 0.010, DraftStats(), max_draft=4, min_observed=2, explore_every=4)
-    caps = [gate.choose(step, np.full(2, 50)).cap for step in range(9)]
+    lockstep = dict(queued=0, tokens_left=np.full(2, 100))
+    caps = [gate.choose(step, np.full(2, 50), **lockstep).cap for step in range(9)]
     assert caps[0] == 0 and caps[4] == 0 and caps[8] == 0 and all(c > 0 for i, c in enumerate(caps) if i % 4)
     plain = StepBatch.make(np.full(2, 50), np.ones(2, np.int64), np.zeros(2, np.int64))
     gate.observe(plain, 0.010, drafted=False)
     gate.observe(plain, 0.010, drafted=False)
-    assert all(gate.choose(step, np.full(2, 50)).cap > 0 for step in range(12, 24))
+    assert all(gate.choose(step, np.full(2, 50), **lockstep).cap > 0 for step in range(12, 24))
+
+
+def test_while_requests_wait_the_gate_keeps_the_kind_of_step_that_measured_faster():
+    from splash_rollout.engine.drafter import DraftStats
+    from splash_rollout.engine.speculation_gate import SpeculationGate
+
+    # θ: a step costs the same whatever its rows, so drafts look free and auto drafts at first
+    gate = SpeculationGate(lambda step: 0.010, DraftStats(asked=10, drafted_requests=9), max_draft=4,
+                           regime_steps=4, min_observed=0)
+    wide = np.full(64, 50)
+    kinds = []
+    for step in range(12):
+        cap = gate.choose(step, wide, queued=100).cap
+        kinds.append(cap > 0)
+        # measured: drafted steps write 80 tokens in 20 ms, plain ones 64 in 10 ms
+        gate.measure(80 if cap else 64, 0.020 if cap else 0.010, drafted=cap > 0)
+    # a run of the kind θ would not choose, then θ's drafts measured as they run, then the faster kind
+    assert kinds == [False] * 4 + [True] * 4 + [False] * 4
+    choice = gate.choose(12, wide, queued=100)
+    assert choice.cap == 0 and "measured 6400 tok/s plain vs 4000 drafted" in choice.reason
+    assert any("measuring a run of plain steps" in e["reason"] for e in gate.log)
+    # the lockstep objective (nothing waits) is not decided by what was measured while requests waited
+    assert gate.choose(13, np.full(2, 50), queued=0, tokens_left=np.full(2, 100)).cap > 0
 
 
 def test_the_timeline_marks_where_drafts_were_verified(engines, tmp_path):
@@ -239,7 +263,8 @@ def test_with_nothing_queued_the_gate_prices_the_slowest_request():
     def price(step):  # a fixed 10 ms a step, 0.2 % more per row
         return 0.010 * (1 + 0.002 * int(step.query_rows.sum()))
 
-    gate = SpeculationGate(price, DraftStats(asked=100, drafted_requests=90), max_draft=2, min_observed=0)
+    gate = SpeculationGate(price, DraftStats(asked=100, drafted_requests=90), max_draft=2, min_observed=0,
+                           regime_steps=0)
     for _ in range(40):  # under cap 2 a drafting request kept 0 or 2 tokens, half the time each
         gate.record(2, verified=10, drafted=20, accepted=10, accepted_sq=20)
     assert gate.per_request(2) == pytest.approx((2.0, 1.0)) and gate.spread(2) == pytest.approx(1.0)
