@@ -5,7 +5,8 @@ capture (``models.moe.routing_context``); the captured ids of the step's rows ar
 and kept by position until the request's result is built (``take``). The router is replicated on
 every rank and sees every row (the feed-forward block runs on every row of the step in every layout), so rank 0's capture is
 the whole step's routing in every layout. Rows are written by position, so a position computed
-again (a recomputed prefix) keeps its latest routing. Costs num_positions x moe_layers x top_k
+again (a recomputed prefix, a drafted token's position after the draft was rejected) keeps its
+latest routing. Costs num_positions x moe_layers x top_k
 int16 per request while it runs.
 """
 from __future__ import annotations
@@ -48,14 +49,18 @@ class RoutingRecorder:
             if p < num_positions:
                 self._parts.setdefault(dst_id, []).insert(0, (p, a[: num_positions - p].copy()))
 
-    def take(self, request_id: int) -> np.ndarray:
-        """[num_positions_run, num_moe_layers, top_k] int16 of a request (its records are dropped):
-        row p = the experts of the token at position p, for every position the engine ran."""
+    def take(self, request_id: int, num_positions: int) -> np.ndarray:
+        """[num_positions, num_moe_layers, top_k] int16 of a request (its records are dropped): row p =
+        the experts of the token at position p; ``num_positions``: the positions whose token is kept
+        and was run (prompt + response - 1). Speculation runs rows past that -- drafted tokens a
+        verification rejected: their positions are run again with the kept token (written later, so
+        they win), and those past the request's end are cut here."""
         parts = self._parts.pop(request_id, [])
-        n = max((p + len(a) for p, a in parts), default=0)
+        n = min(num_positions, max((p + len(a) for p, a in parts), default=0))
         out = np.zeros((n, self.num_moe_layers, self.top_k), dtype=np.int16)
         for p, a in parts:
-            out[p:p + len(a)] = a
+            if p < n:
+                out[p:p + len(a)] = a[: n - p]
         return out
 
     def forget(self, request_ids) -> None:

@@ -109,9 +109,6 @@ class EngineConfig:
 
     def _check_across_groups(self) -> None:
         compute = self.compute
-        if compute.speculation != "off" and self.outputs.return_routing:
-            raise ValueError("compute.speculation: not yet with outputs.return_routing (a verified row's routing "
-                             "is recorded for accepted tokens only in a later version); set speculation='off'")
         if compute.attention_backend == "flashmla" and (self.memory.page_size != 64 or self.model.dtype != "bfloat16"):
             raise ValueError("compute.attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
                              f"memory.page_size={self.memory.page_size}, model.dtype={self.model.dtype!r}")
