@@ -12,8 +12,10 @@ from splash_rollout.rollout.ranks import RequestRecord, build_engine
 PROMPTS = [[5, 6, 7] * 10, [9, 10] * 4, [11, 12] * 20]
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, seed=3, ignore_eos=True)
+# reproducible numerics: the calls after wake_up draft from the earlier calls' responses (speculation
+# "auto"), and only there does a verified row round exactly like a decoded one
 CONFIG = EngineConfig(model="glm5-nano", world_size=2, layout="dop", memory_budget_gib=0.0625,
-                      max_num_batched_tokens=64, page_size=8)
+                      max_num_batched_tokens=64, page_size=8, numerics="reproducible")
 
 
 def outputs(batch):

@@ -48,7 +48,6 @@ def test_flat_names_land_in_their_groups_and_match_the_grouped_form():
     ({"policy": {"decide_every_steps": 4}}, ValueError, r"policy\.decide_every_steps: moved to the driver"),
     ({"compute": "fast"}, TypeError, r"compute: expected a ComputeOptions"),
     ({"worldsize": 2}, TypeError, r"unknown option\(s\) \['worldsize'\]"),
-    ({"speculation": "auto", "return_routing": True}, ValueError, r"compute\.speculation: not yet with outputs"),
     ({"attention_backend": "flashmla"}, ValueError, r"FlashMLA reads bfloat16 pages of 64 tokens"),
     ({"max_queued_requests": True}, ValueError, r"batching\.max_queued_requests: expected an integer"),
 ])

@@ -17,7 +17,9 @@ PARAMS = [SamplingParams(n=3, max_new_tokens=4 + 5 * i, seed=11 + i, ignore_eos=
 def engine():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=256, page_size=8, max_num_batched_tokens=128)) as e:
+    # one token a step (no speculation): the tests below name the step a call was cut at
+    with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=256, page_size=8, max_num_batched_tokens=128,
+                                    speculation="off")) as e:
         yield e
     torch.set_num_threads(threads)
 
