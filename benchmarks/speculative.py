@@ -1,7 +1,7 @@
 """Speculative decoding on RL rollouts: the same calls with ``speculation`` off and on, side by side.
 
-The policy is the default recipe's after its SFT warm start and a few GRPO steps (trained here once,
-``--policy P`` reuses a ``policy.pt`` or ``sft_policy.pt``): drafts are only as good as the text the
+The policy is the default recipe's after its SFT warm start and its 24 GRPO steps on one rank (trained
+here once, ~7 minutes; ``--policy P`` reuses a ``policy.pt`` or ``sft_policy.pt``): drafts are only as good as the text the
 policy writes, and a random-init model writes noise. Two workloads on one engine rank:
 
 * ``long_tail``: the ``benchmarks/long_tail_rl.py`` rollout -- arithmetic chains whose length
@@ -18,7 +18,9 @@ once, ``--rounds`` each;
 every call gets fresh prompts (the same for both arms in a round), so the prompt history the
 drafter keeps across calls is what a GRPO run on fresh prompts would have. Per call: wall seconds,
 the tail's seconds (steps run with the batch at or below 1/8 of the call's peak; the step log's
-times), engine steps (target forward passes) per generated token, and the ``spec/*`` metrics.
+times), engine steps (target forward passes) per generated token, and the ``spec/*`` metrics --
+per draft source too (the group's samples, earlier calls' responses, the sample's own text, its
+prompt: where each draft's first token was last seen).
 Tokens are checked equal between the arms (the same seeds: speculation must not change them).
 
     python benchmarks/speculative.py --json docs/results/speculative.json
@@ -38,19 +40,21 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FULL = dict(sft_steps=300, grpo_steps=3, prompts=8, n=8, max_new_tokens=224, max_chain=32, wide_prompts=64,
+FULL = dict(sft_steps=300, grpo_steps=24, grpo_batch=None, prompts=8, n=8, max_new_tokens=224, max_chain=32, wide_prompts=64,
             rounds=3)
-QUICK = dict(sft_steps=20, grpo_steps=1, prompts=4, n=4, max_new_tokens=48, max_chain=32, wide_prompts=16, rounds=2)
+QUICK = dict(sft_steps=20, grpo_steps=1, grpo_batch=(8, 8), prompts=4, n=4, max_new_tokens=48, max_chain=32, wide_prompts=16, rounds=2)
 TAIL_FRACTION = 0.125
 
 
 def train_policy(p: dict, work: str, threads: int) -> str:
-    """SFT plus ``grpo_steps`` GRPO steps of the default recipe on one rank; the last checkpoint's policy."""
+    """SFT plus ``grpo_steps`` GRPO steps of the default recipe on one rank (its whole run by default;
+    ``grpo_batch``: prompts x samples per step instead of the recipe's); the last checkpoint's policy."""
     run_dir = os.path.join(work, "train")
     cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "logger=none", "engine.parallel.world_size=1",
            f"hardware.threads={threads}", f"sft.steps={p['sft_steps']}", f"grpo.steps={p['grpo_steps']}",
-           f"trainer.save_every={p['grpo_steps']}", "eval.every=0", "grpo.prompts_per_step=8", "grpo.n=8",
-           f"hydra.run.dir={run_dir}"]
+           f"trainer.save_every={p['grpo_steps']}", "eval.every=0", f"hydra.run.dir={run_dir}"]
+    if p["grpo_batch"]:
+        cmd += [f"grpo.prompts_per_step={p['grpo_batch'][0]}", f"grpo.n={p['grpo_batch'][1]}"]
     print(f"training the policy: {' '.join(cmd[2:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -84,6 +88,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from splash_rollout.engine.drafter import DRAFT_SOURCES
     from splash_rollout.recipes.grpo.build import build_engine, max_prompt_len
     from splash_rollout.recipes.grpo.task_data import build_task_data
     from splash_rollout.models.tokenizer import load_tokenizer
@@ -150,6 +155,15 @@ def main() -> int:
     def med(rows, key):
         return float(np.median([r[key] for r in rows]))
 
+    def by_source(rows):
+        """Per draft source: verified drafts and tokens a verified row yielded, over the rounds."""
+        out = {}
+        for src in DRAFT_SOURCES:
+            v = sum(r[f"spec/verified/{src}"] for r in rows)
+            kept = sum(r[f"spec/acceptance_len/{src}"] * r[f"spec/verified/{src}"] for r in rows)
+            out[src] = {"verified": v, "acceptance_len": kept / v if v else 0.0}
+        return out
+
     summary = {}
     for name, by_arm in results.items():
         off = by_arm["off"]
@@ -164,7 +178,8 @@ def main() -> int:
                 "acceptance_len": med(on, "spec/acceptance_len"),
                 "accepted_per_drafted": (sum(r["spec/accepted_tokens"] for r in on)
                                          / max(1.0, sum(r["spec/draft_tokens"] for r in on))),
-                "steps_on_share": sum(r["spec/steps_on"] for r in on) / max(1, sum(r["steps"] for r in on))}
+                "steps_on_share": sum(r["spec/steps_on"] for r in on) / max(1, sum(r["steps"] for r in on)),
+                "by_source": by_source(on)}
     out = {"params": p, "policy": policy_path, "threads": args.threads, "numerics": args.numerics, "load_1min": [min(loads), max(loads)],
            "tokens_equal": True, "summary": summary, "rounds": results,
            "command": "python benchmarks/speculative.py" + (" --quick" if args.quick else "")}

@@ -7,7 +7,10 @@ what followed the longest suffix of the sample's tokens that occurred before:
 
 * the live samples of the same prompt (its siblings in the group), as they are written;
 * the prompt's responses from earlier calls: at most ``history_per_prompt`` finished sequences,
-  the oldest dropped first, for at most ``max_prompts`` prompts (least recently drafted dropped).
+  the oldest dropped first (its n-grams counted out), for at most ``max_prompts`` prompts and
+  ``max_tokens`` tokens indexed over all of them (the least recently drafted prompts dropped: a
+  token costs 0.4 KB of n-gram tables on the recipe's chains, 1.6 KB on text where every n-gram is
+  new, measured with tracemalloc, so the default 2^19 holds an index to 0.2-0.8 GB per rank).
   They are kept across weight updates -- one RL step moves the policy little, and a stale entry
   costs only a rejected draft; the most recent occurrence of an n-gram wins, so fresher text leads;
 * the sample's own prompt and response so far.
@@ -29,7 +32,10 @@ of tuples is all three. The draft length also follows the match length (``tokens
 matched token) and the request's last verification (after a rejection, at most twice what was
 accepted plus one; after a full acceptance it doubles, up to ``max_draft``).
 
-``Drafter`` is the seam: a model draft (MTP heads) implements the same three calls.
+Each draft is credited to where its first token was last seen (``DRAFT_SOURCES``: the group, an
+earlier call's response, the sample itself, the prompt), so acceptance is reported per source.
+
+``Drafter`` is the seam: a model draft (MTP heads) implements the same calls.
 """
 from __future__ import annotations
 
@@ -53,6 +59,17 @@ class Drafter(Protocol):
     def finished(self, request: Request) -> None:
         """``request`` will write no more: its tokens join its prompt's history."""
 
+    def source(self, request: Request) -> str:
+        """Where the last draft proposed for ``request`` came from: one of ``DRAFT_SOURCES``."""
+
+    def new_call(self) -> None:
+        """A generate call starts (its samples are a new group)."""
+
+
+DRAFT_SOURCES = ("group", "history", "own", "prompt")
+"""Where a draft's first token was last seen: another sample of this call for the same prompt
+(``group``), a response from an earlier call (``history``), the sample itself (``own``), its prompt."""
+
 
 @dataclass
 class _Sequence:
@@ -60,6 +77,12 @@ class _Sequence:
     """Prompt and response so far."""
     indexed: int
     """Leading tokens whose n-grams ending just before them are in the index."""
+    writer: int = -1
+    """Its id in the index's ``sequences`` (-1: the prompt)."""
+    start: int = 0
+    """Where its own tokens begin (the prompt's length for a response): what ``_unindex`` removes."""
+    call: int = 0
+    """The drafter's call counter when it started."""
 
 
 @dataclass
@@ -75,6 +98,10 @@ class _PromptIndex:
     once per sample."""
     prompt: list[int] | None = None
     """The prompt, once its n-grams are counted."""
+    last_writer: dict[tuple[int, ...], int] = field(default_factory=dict)
+    """n-gram + (follower,) -> the sequence id that wrote it last (-1: the prompt)."""
+    tokens: int = 0
+    """Tokens indexed (the prompt once, then every sequence's own)."""
 
 
 @dataclass
@@ -91,23 +118,35 @@ class DraftStats:
     """``propose`` calls."""
     drafted_requests: int = 0
     """``propose`` calls that returned a draft."""
+    by_source: dict[str, list[int]] = field(default_factory=lambda: {src: [0, 0, 0] for src in DRAFT_SOURCES})
+    """Source -> [verifications, drafted tokens verified, kept] of the drafts that started there."""
 
 
 class SuffixDrafter:
     def __init__(self, max_draft: int = 8, max_ngram: int = 4, tokens_per_match: float = 2.0,
                  min_confidence: float = 0.3, history_per_prompt: int = 64, max_prompts: int = 4096,
-                 min_match: int = 2) -> None:
+                 min_match: int = 2, max_tokens: int = 1 << 19) -> None:
         if max_draft < 1 or not 1 <= min_match <= max_ngram:
             raise ValueError(f"SuffixDrafter: expected max_draft >= 1 and 1 <= min_match <= max_ngram, got "
                              f"{max_draft}, {min_match}, {max_ngram}")
         self.max_draft, self.max_ngram, self.tokens_per_match = max_draft, max_ngram, tokens_per_match
         self.min_match = min_match
         self.min_confidence = min_confidence
-        self.history_per_prompt, self.max_prompts = history_per_prompt, max_prompts
+        self.history_per_prompt, self.max_prompts, self.max_tokens = history_per_prompt, max_prompts, max_tokens
+        self._tokens = 0
+        """Tokens indexed over every prompt: above ``max_tokens`` the least recently drafted prompts go."""
         self._prompts: OrderedDict[tuple[int, ...], _PromptIndex] = OrderedDict()
         self._cap: dict[int, int] = {}
         """request id -> its draft cap after its last verification."""
+        self._source: dict[int, str] = {}
+        """request id -> where its last draft started."""
+        self.call = 0
+        """Calls started (``new_call``): a sequence of an earlier call is ``history``."""
         self.stats = DraftStats()
+
+    def new_call(self) -> None:
+        """A generate call starts: sequences written from now on are this call's group."""
+        self.call += 1
 
     # ---- the Drafter calls ------------------------------------------------------------------------
     def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
@@ -125,16 +164,20 @@ class SuffixDrafter:
                     break
             else:
                 break
-            if not draft:  # the first match sets how far the draft may run
-                k = min(limit, max(1, int(self.tokens_per_match * n)))
             token, times = max(followers.items(), key=lambda item: item[1])  # ties: the first seen
             chance *= times / (sum(followers.values()) + 1)  # one unseen follower: a single sighting is 1/2
             if chance < self.min_confidence:
                 break
+            if not draft:  # the first match sets how far the draft may run, and names its source
+                k = min(limit, max(1, int(self.tokens_per_match * n)))
+                self._source[request.request_id] = self._source_of(index, request, text[-n:] + [token])
             draft.append(token)
         if draft:
             self.stats.drafted_requests += 1
         return tuple(draft)
+
+    def source(self, request: Request) -> str:
+        return self._source.get(request.request_id, "own")
 
     def observe(self, request: Request, drafted: int, accepted: int) -> None:
         index, seq = self._sequence(request)
@@ -144,18 +187,20 @@ class SuffixDrafter:
             self.stats.proposed += drafted
             self.stats.accepted += accepted
             self.stats.rejections += accepted < drafted
+            counts = self.stats.by_source[self.source(request)]
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + drafted, counts[2] + accepted
             self._cap[request.request_id] = (min(self.max_draft, 2 * drafted) if accepted == drafted
                                              else max(1, 2 * accepted + 1))
 
     def finished(self, request: Request) -> None:
         self._cap.pop(request.request_id, None)
+        self._source.pop(request.request_id, None)
         index = self._prompts.get(request.prefix_key)
         if index is None or request.request_id not in index.sequences:
             return
         index.history.append(request.request_id)
         if len(index.history) > self.history_per_prompt:
-            del index.sequences[index.history.pop(0)]
-            self._reindex(index)
+            self._unindex(index, index.sequences.pop(index.history.pop(0)))
 
     # ---- the index --------------------------------------------------------------------------------
     def _sequence(self, request: Request) -> tuple[_PromptIndex, _Sequence]:
@@ -163,8 +208,6 @@ class SuffixDrafter:
         index = self._prompts.get(key)
         if index is None:
             index = self._prompts[key] = _PromptIndex()
-            if len(self._prompts) > self.max_prompts:
-                self._prompts.popitem(last=False)
         else:
             self._prompts.move_to_end(key)
         seq = index.sequences.get(request.request_id)
@@ -172,23 +215,56 @@ class SuffixDrafter:
             if index.prompt is None:
                 index.prompt = list(request.prompt_ids)
                 self._index(index, _Sequence(index.prompt, 0))
-            seq = index.sequences[request.request_id] = _Sequence(list(request.token_ids), request.num_prompt_tokens)
+            p = request.num_prompt_tokens
+            seq = index.sequences[request.request_id] = _Sequence(list(request.token_ids), p, request.request_id, p,
+                                                                  self.call)
             self._index(index, seq)
+        while len(self._prompts) > 1 and (len(self._prompts) > self.max_prompts or self._tokens > self.max_tokens):
+            self._tokens -= self._prompts.popitem(last=False)[1].tokens  # the least recently drafted prompt
         return index, seq
+
+    def _source_of(self, index: _PromptIndex, request: Request, ngram_and_token: list[int]) -> str:
+        writer = index.last_writer.get(tuple(ngram_and_token), -1)
+        if writer == -1:
+            return "prompt"
+        if writer == request.request_id:
+            return "own"
+        seq = index.sequences.get(writer)
+        return "group" if seq is not None and seq.call == self.call else "history"
 
     def _index(self, index: _PromptIndex, seq: _Sequence) -> None:
         """Enter the n-grams ending just before each token not yet indexed (its continuation is known)."""
         tokens, followers, top = seq.tokens, index.followers, self.max_ngram
+        writers, writer = index.last_writer, seq.writer
         for pos in range(max(seq.indexed, 1), len(tokens)):
             token = tokens[pos]
             for n in range(1, min(top, pos) + 1):
-                counts = followers.setdefault(tuple(tokens[pos - n: pos]), {})
+                ngram = tuple(tokens[pos - n: pos])
+                counts = followers.setdefault(ngram, {})
                 counts[token] = counts.get(token, 0) + 1
+                if n >= self.min_match:
+                    writers[ngram + (token,)] = writer
+        added = len(tokens) - max(seq.indexed, 1)
+        if added > 0:
+            index.tokens += added
+            self._tokens += added
         seq.indexed = len(tokens)
 
-    def _reindex(self, index: _PromptIndex) -> None:
-        index.followers.clear()
-        self._index(index, _Sequence(index.prompt, 0))
-        for seq in index.sequences.values():
-            seq.indexed = len(index.prompt)
-            self._index(index, seq)
+    def _unindex(self, index: _PromptIndex, seq: _Sequence) -> None:
+        """Take a dropped sequence's n-grams out of the counts (what ``_index`` entered for it)."""
+        tokens, followers, writers, top = seq.tokens, index.followers, index.last_writer, self.max_ngram
+        for pos in range(max(seq.start, 1), seq.indexed):
+            token = tokens[pos]
+            for n in range(1, min(top, pos) + 1):
+                ngram = tuple(tokens[pos - n: pos])
+                counts = followers[ngram]
+                counts[token] -= 1
+                if not counts[token]:
+                    del counts[token]
+                    if not counts:
+                        del followers[ngram]
+                if n >= self.min_match and writers.get(ngram + (token,)) == seq.writer:
+                    del writers[ngram + (token,)]
+        removed = seq.indexed - max(seq.start, 1)
+        index.tokens -= removed
+        self._tokens -= removed

@@ -253,6 +253,8 @@ class Engine:
     def _serve(self, requests: list[Request], max_steps: int | None, on_step) -> list[Request] | None:
         if requests and not self.scheduler.has_unfinished:
             self.scheduler.estimate.reset()
+            if self.scheduler.drafter is not None:
+                self.scheduler.drafter.new_call()
         for req in requests:
             self.scheduler.add(req)
         self.driver.new_call()

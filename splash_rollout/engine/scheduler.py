@@ -147,6 +147,8 @@ class Scheduler:
         """Sum over this step's verified requests of the square of what each kept (its spread)."""
         self.written = 0
         """Tokens this step appended to its requests (sampled, drafts kept included)."""
+        self.by_source: dict[str, list[int]] = {}
+        """This step's verifications per draft source: [verified requests, drafted tokens, kept]."""
         self.draft_cap = 0
         """Most drafted tokens per request this step (set before each step from the driver's control)."""
 
@@ -205,6 +207,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         self.copies, self.retracted, self.prefix_hit_tokens, self.prefix_sources = [], [], 0, []
         self.drafts, self.accepted, self.accepted_sq, self.written = {}, 0, 0, 0
+        self.by_source = {}
         self.estimate.stepped()
         plan = self._fit(self._running_rows())
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
@@ -468,6 +471,8 @@ class Scheduler:
                 break
         req.num_computed_tokens = start + kept  # the last token and the accepted drafts: their rows' KV
         self.drafter.observe(req, len(draft), accepted)
+        counts = self.by_source.setdefault(self.drafter.source(req), [0, 0, 0])
+        counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + len(draft), counts[2] + accepted
         self.accepted += accepted
         self.accepted_sq += accepted * accepted
         self.written += kept

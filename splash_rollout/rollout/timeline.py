@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from splash_rollout.engine.drafter import DRAFT_SOURCES
 from splash_rollout.rollout.types import Timeline
 
 SWITCH_KEYS = ("src", "dst", "step", "cause", "bytes_sent", "bytes_received", "overhead_ms",
@@ -114,9 +115,16 @@ def memory_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
 def speculation_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
     """``spec/*`` of one call: drafted tokens verified, drafted tokens kept, tokens a verified row
     yields (the kept drafts plus the token sampled after them, per verified row) and steps that
-    verified any draft."""
+    verified any draft; per draft source (``spec/verified/<source>``, ``spec/acceptance_len/<source>``:
+    group, history, own, prompt -- where the draft's first token was last seen)."""
     drafted, verified = sum(s.get("draft_tokens", 0) for s in steps), sum(s.get("verified", 0) for s in steps)
     accepted = sum(s.get("accepted_tokens", 0) for s in steps)
-    return {"spec/draft_tokens": float(drafted), "spec/accepted_tokens": float(accepted),
-            "spec/acceptance_len": (accepted + verified) / verified if verified else 0.0,
-            "spec/steps_on": float(sum(s.get("draft_tokens", 0) > 0 for s in steps))}
+    out = {"spec/draft_tokens": float(drafted), "spec/accepted_tokens": float(accepted),
+           "spec/acceptance_len": (accepted + verified) / verified if verified else 0.0,
+           "spec/steps_on": float(sum(s.get("draft_tokens", 0) > 0 for s in steps))}
+    for source in DRAFT_SOURCES:
+        counts = [s["draft_sources"][source] for s in steps if source in s.get("draft_sources", ())]
+        v, kept = sum(c[0] for c in counts), sum(c[2] for c in counts)
+        out[f"spec/verified/{source}"] = float(v)
+        out[f"spec/acceptance_len/{source}"] = (kept + v) / v if v else 0.0
+    return out

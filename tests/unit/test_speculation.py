@@ -18,6 +18,7 @@ from splash_rollout.scheduling.cost_model import StepBatch
 from tests.unit.test_nothing_lost import assert_nothing_held
 
 MAX_LEN = 56
+STOP = 106
 
 
 def _engine(speculation: str) -> RolloutEngine:
@@ -65,6 +66,26 @@ def test_drafts_are_verified_and_cut_steps_on_a_repetitive_group(engines):
     assert b.metrics["spec/accepted_tokens"] > 0 and b.metrics["spec/acceptance_len"] > 1.0
     assert b.metrics["perf/steps"] < a.metrics["perf/steps"]
     assert a.metrics["spec/draft_tokens"] == 0 and a.metrics["spec/steps_on"] == 0
+
+
+def test_routing_of_the_kept_tokens_is_what_off_records():
+    """Verified rows route drafted tokens; a rejected one's position is run again with the kept token
+    and the rows past a request's end are cut: every sample's routing equals speculation='off''s."""
+    prompts = [[5, 6, 7, 8] * 4, [3, 9] * 5]
+    # a stop token inside a verified draft ends the request with drafted rows run past its end
+    params = SamplingParams(n=4, temperature=1.0, top_k=3, max_new_tokens=30, stop_token_ids=(STOP,), seed=3)
+    batches = []
+    for speculation in ("off", "always"):
+        with RolloutEngine(EngineConfig(model="glm5-nano", speculation=speculation, numerics="reproducible",
+                                        return_routing=True, max_model_len=MAX_LEN)) as engine:
+            batches.append(engine.generate(prompts, params))
+    off, on = batches
+    _same(off, on)
+    assert any(s.finish_reason == "stop" for s in on.samples)
+    assert on.metrics["spec/accepted_tokens"] > 0 and on.metrics["spec/accepted_tokens"] < on.metrics["spec/draft_tokens"]
+    for a, b in zip(off.samples, on.samples):
+        assert a.routing.shape == b.routing.shape == (len(a.prompt_ids) + len(a.response_ids) - 1,) + a.routing.shape[1:]
+        assert np.array_equal(a.routing, b.routing)
 
 
 def test_multi_turn_continuation_is_the_same(engines):
@@ -127,6 +148,32 @@ def test_a_single_token_match_drafts_nothing_unless_allowed():
         SuffixDrafter(max_ngram=2, min_match=3)
 
 
+def test_each_draft_is_credited_to_where_its_first_token_was_seen():
+    from splash_rollout.rollout.timeline import speculation_metrics
+
+    drafter = SuffixDrafter(max_ngram=3, min_confidence=0.0)
+    drafter.new_call()
+    prompt = [1, 2, 3, 1, 2]
+    first = _request(1, prompt, [])
+    assert drafter.propose(first, 1) == (3,) and drafter.source(first) == "prompt"  # (1, 2) -> 3 in the prompt
+    drafter.observe(_request(0, prompt, [7, 8, 9]), 0, 0)
+    sibling = _request(2, prompt, [7, 8])
+    assert drafter.propose(sibling, 1) == (9,) and drafter.source(sibling) == "group"
+    drafter.observe(sibling, 1, 1)
+    mine = _request(3, prompt, [5, 6, 4, 5, 6])
+    assert drafter.propose(mine, 1) == (4,) and drafter.source(mine) == "own"
+    drafter.new_call()  # the next call: the first call's samples are history
+    later = _request(4, prompt, [7, 8])
+    assert drafter.propose(later, 1) == (9,) and drafter.source(later) == "history"
+    drafter.observe(later, 1, 0)
+    assert drafter.stats.by_source["group"] == [1, 1, 1] and drafter.stats.by_source["history"] == [1, 1, 0]
+    steps = [{"draft_tokens": 2, "verified": 2, "accepted_tokens": 1,
+              "draft_sources": {"group": [1, 1, 1], "history": [1, 1, 0]}}]
+    metrics = speculation_metrics(steps)
+    assert metrics["spec/acceptance_len/group"] == 2.0 and metrics["spec/acceptance_len/history"] == 1.0
+    assert metrics["spec/verified/own"] == 0.0 and metrics["spec/acceptance_len"] == 1.5
+
+
 def test_a_rejected_draft_shortens_the_next():
     drafter = SuffixDrafter(max_draft=8, max_ngram=2, tokens_per_match=4.0, min_confidence=0.0)
     prompt = [1]
@@ -150,6 +197,25 @@ def test_the_history_of_a_prompt_is_bounded():
     assert sorted(index.sequences) == [2, 3] and index.history == [2, 3]
     assert drafter.propose(_request(9, [1], [100]), 4) == ()  # dropped with its sequence
     assert drafter.propose(_request(10, [1], [103]), 4) == (203,)
+
+
+def test_dropped_sequences_are_counted_out_and_the_index_is_bounded_in_tokens():
+    drafter = SuffixDrafter(max_ngram=3, history_per_prompt=2, min_confidence=0.0)
+    responses = [[7, 8, 9, 7, 8], [7, 8, 10], [9, 9, 7, 8, 9], [8, 7, 8, 10, 11]]
+    for rid, response in enumerate(responses):
+        r = _request(rid, [1, 2], response)
+        drafter.observe(r, 0, 0)
+        drafter.finished(r)
+    fresh = SuffixDrafter(max_ngram=3, history_per_prompt=2, min_confidence=0.0)
+    for rid in (2, 3):  # the two kept: the index is as if the dropped ones had never been seen
+        fresh.observe(_request(rid, [1, 2], responses[rid]), 0, 0)
+    assert drafter._prompts[(1, 2)].followers == fresh._prompts[(1, 2)].followers
+    assert drafter._tokens == fresh._tokens == 1 + 5 + 5  # the prompt's one position and each response's
+    bounded = SuffixDrafter(max_ngram=3, max_tokens=12, min_confidence=0.0)
+    for p in range(4):  # each prompt indexes 1 + 5 tokens: a third prompt drops the least recently drafted
+        bounded.observe(_request(p, [1, 2 + p], [7, 8, 9, 7, 8]), 0, 0)
+        assert bounded._tokens <= 12 or len(bounded._prompts) == 1
+    assert list(bounded._prompts) == [(1, 4), (1, 5)]
 
 
 def test_under_retraction_pressure_the_tokens_are_the_same(engines):

@@ -1,0 +1,262 @@
+"""Draft quality offline: record a trained policy's rollouts once, replay drafters on them.
+
+Verification is seed-exact: whatever is drafted, a sample writes the tokens it writes without
+speculation, and a draft keeps exactly its common prefix with them. So a drafter can be judged
+without the engine. The long-tail calls of ``benchmarks/speculative.py`` (``--calls`` calls of
+8 prompts x 8 samples, temperature 1) run once with speculation off (their tokens and step log)
+and once with ``always`` (its step log: what a drafted step costs). Then each drafter is replayed:
+every request of a call steps together; each step every running request proposes (with
+``SuffixDrafter`` as the engine builds it, or a variant), keeps the common prefix of its draft and
+its recorded continuation plus one token, and the drafter observes what was kept. Step seconds come
+from lines fitted to the recorded steps (fixed + per row, plain and drafted apart).
+
+The bound is an oracle that drafts the policy's own most likely token at every position -- what a
+perfect draft model (e.g. MTP heads) would propose: its kept prefix is the run of positions where
+the sampled token was the argmax (the model run over the recorded sequences). Per drafter: target
+steps, drafted tokens kept per drafted token, ``acceptance_len`` (tokens a verified request
+yields), and the estimated wall and tail (batch <= 1/8 of its peak) ratios against no speculation.
+
+    python benchmarks/draft_replay.py --policy P --json docs/results/draft_replay.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TAIL_FRACTION = 0.125
+
+
+@dataclasses.dataclass
+class Replayed:
+    """A recorded sample replayed: the drafter sees ``output_ids`` grow toward ``truth``."""
+
+    request_id: int
+    prompt_ids: list[int]
+    truth: list[int]
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def prefix_key(self) -> tuple[int, ...]:
+        return tuple(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Seconds of a step: ``fixed + per_row * rows``, plain and drafted steps fitted apart."""
+
+    plain: tuple[float, float]
+    drafted: tuple[float, float]
+
+    def seconds(self, rows: int, drafted: bool) -> float:
+        fixed, per_row = self.drafted if drafted else self.plain
+        return fixed + per_row * rows
+
+    @staticmethod
+    def fit(steps: list[dict], drafted: bool) -> tuple[float, float]:
+        """Least squares over the decode steps (no prompt rows) of a step log."""
+        pts = [(s["rows"], s["seconds"]) for s in steps
+               if not s["prefill_rows"] and (s["draft_tokens"] > 0) == drafted]
+        rows, secs = np.array(pts, dtype=np.float64).T
+        per_row, fixed = np.polyfit(rows, secs, 1)
+        return float(fixed), float(per_row)
+
+
+def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, cap: int = 8) -> dict:
+    """Step every call's samples together under a drafter (``propose(request, room) -> draft``)."""
+    tot = dict(steps=0, steps_off=0, drafted=0, kept=0, verified=0, seconds=0.0, seconds_off=0.0, tail=0.0,
+               tail_off=0.0)
+    rid = 0
+    for call in calls:
+        reqs = [Replayed(rid + i, s["prompt"], s["response"]) for i, s in enumerate(call)]
+        rid += len(reqs)
+        peak, lengths = len(reqs), [len(r.truth) for r in reqs]
+        for t in range(max(lengths)):
+            running = sum(n > t for n in lengths)
+            sec = cost.seconds(running, False)
+            tot["steps_off"] += 1
+            tot["seconds_off"] += sec
+            tot["tail_off"] += sec if running <= TAIL_FRACTION * peak else 0.0
+        running = [r for r in reqs if r.truth]
+        while running:
+            drafts = {}
+            for r in running:
+                room = min(cap, len(r.truth) - len(r.output_ids) - 1)
+                drafts[r.request_id] = tuple(propose(r, room)) if room > 0 else ()
+            rows = sum(1 + len(d) for d in drafts.values())
+            sec = cost.seconds(rows, any(drafts.values()))
+            tot["steps"] += 1
+            tot["seconds"] += sec
+            tot["tail"] += sec if len(running) <= TAIL_FRACTION * peak else 0.0
+            still = []
+            for r in running:
+                draft, at = drafts[r.request_id], len(r.output_ids)
+                kept = 0
+                while kept < len(draft) and r.truth[at + kept] == draft[kept]:
+                    kept += 1
+                r.output_ids = r.truth[: at + kept + 1]
+                observe(r, len(draft), kept)
+                tot["drafted"] += len(draft)
+                tot["kept"] += kept
+                tot["verified"] += bool(draft)
+                if len(r.output_ids) < len(r.truth):
+                    still.append(r)
+                else:
+                    finished(r)
+            running = still
+    return {"target_steps": tot["steps"], "target_steps_off": tot["steps_off"],
+            "kept_per_drafted": tot["kept"] / max(1, tot["drafted"]),
+            "acceptance_len": (tot["kept"] + tot["verified"]) / max(1, tot["verified"]),
+            "est_wall_ratio": tot["seconds_off"] / tot["seconds"],
+            "est_tail_ratio": tot["tail_off"] / max(1e-12, tot["tail"])}
+
+
+def argmax_flags(calls: list[list[dict]], weights: dict, config) -> dict[tuple[int, int], list[bool]]:
+    """(call, sample) -> per response position: was the sampled token the policy's argmax there."""
+    import torch
+
+    from splash_rollout.models.model import MLAForCausalLM
+
+    model = MLAForCausalLM(config)
+    model.load_state_dict(weights, strict=False)
+    model.eval()
+    flags = {}
+    with torch.no_grad():
+        for c, call in enumerate(calls):
+            for i, s in enumerate(call):
+                ids = torch.tensor([s["prompt"] + s["response"]])
+                p = len(s["prompt"])
+                best = model(ids)[0].argmax(-1)[p - 1: p - 1 + len(s["response"])].tolist()
+                flags[(c, i)] = [a == t for a, t in zip(best, s["response"])]
+    return flags
+
+
+class OracleDrafter:
+    """Drafts the policy's argmax: kept up to the first position where the sample was not it."""
+
+    def __init__(self, calls: list[list[dict]], flags: dict[tuple[int, int], list[bool]]) -> None:
+        self.flags, ids = {}, 0
+        for c, call in enumerate(calls):
+            for i in range(len(call)):
+                self.flags[ids] = flags[(c, i)]
+                ids += 1
+
+    def propose(self, r: Replayed, room: int) -> list[int]:
+        at, f = len(r.output_ids), self.flags[r.request_id]
+        kept = 0
+        while kept < room and f[at + kept]:
+            kept += 1
+        # the kept prefix is the sample's own tokens; the argmax drafts after the first miss stand as -1
+        return r.truth[at: at + kept] + [-1] * (room - kept)
+
+    def observe(self, r: Replayed, drafted: int, kept: int) -> None:
+        pass
+
+    def finished(self, r: Replayed) -> None:
+        pass
+
+
+def record(policy: str, calls: int, threads: int) -> tuple[list[list[dict]], list[dict], list[dict], dict]:
+    """The long-tail calls with speculation off (tokens, step log) and always (step log)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import splash_rollout.rollout.engine as rollout_engine
+    from splash_rollout.models.tokenizer import load_tokenizer
+    from splash_rollout.recipes.grpo.build import build_engine, max_prompt_len
+    from splash_rollout.recipes.grpo.task_data import build_task_data
+    from splash_rollout.rollout.types import SamplingParams
+    from splash_rollout.run import compose_config
+
+    overrides = ["+recipe=grpo_glm5", "engine.parallel.world_size=1", "engine.batching.max_num_seqs=64",
+                 "engine.memory.memory_budget_gib=0.25", "engine.parallel.layout=tp", "data.task.max_steps=32",
+                 "grpo.max_new_tokens=224", "eval.every=0"]
+    cfg = compose_config(overrides + ["data.eval_size=0", "data.seed=1234"])
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
+    data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=8 * calls)
+    prompts = [e.prompt_ids for e in data.train]
+    weights = torch.load(policy, map_location="cpu")
+    logs: dict[str, list[dict]] = {"off": [], "always": []}
+    captured: list[list[dict]] = []
+    build_timeline = rollout_engine.build_timeline
+
+    def keep_steps(steps, *args, **kwargs):  # the call's step log, as the timeline receives it
+        captured.append(steps)
+        return build_timeline(steps, *args, **kwargs)
+
+    rollout_engine.build_timeline = keep_steps
+    recorded = []
+    try:
+        for arm in ("off", "always"):
+            engine = build_engine(compose_config(overrides + [f"engine.compute.speculation={arm}"]))
+            engine.update_weights(weights, version=1)
+            for c in range(calls):
+                params = SamplingParams(n=8, temperature=1.0, max_new_tokens=224, seed=100 + c,
+                                        stop_token_ids=tuple(tokenizer.eos_token_ids))
+                batch = engine.generate(prompts[8 * c: 8 * c + 8], params)
+                logs[arm].extend(captured[-1])
+                if arm == "off":
+                    recorded.append([{"prompt": s.prompt_ids, "response": s.response_ids} for s in batch.samples])
+            engine.shutdown()
+    finally:
+        rollout_engine.build_timeline = build_timeline
+    return recorded, logs["off"], logs["always"], weights
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", required=True, help="a policy.pt of the recipe (e.g. benchmarks/speculative.py's)")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+
+    from splash_rollout.engine.drafter import SuffixDrafter
+    from splash_rollout.models.config import PRESETS
+
+    t0 = time.perf_counter()
+    calls, off_steps, always_steps, weights = record(args.policy, args.calls, args.threads)
+    cost = StepCost(StepCost.fit(off_steps, False), StepCost.fit(always_steps, True))
+    print(f"recorded {sum(len(c) for c in calls)} samples in {time.perf_counter() - t0:.0f} s; step seconds: "
+          f"plain {cost.plain[0] * 1e3:.2f} ms + {cost.plain[1] * 1e3:.3f} ms/row, drafted "
+          f"{cost.drafted[0] * 1e3:.2f} ms + {cost.drafted[1] * 1e3:.3f} ms/row", flush=True)
+    drafters = {"SuffixDrafter (the engine's)": {}, "min_match=1": {"min_match": 1},
+                "min_confidence=0.1": {"min_confidence": 0.1}, "max_ngram=8": {"max_ngram": 8}}
+    results = {}
+    for name, kwargs in drafters.items():
+        d = SuffixDrafter(**kwargs)
+        results[name] = replay(calls, d.propose, d.observe, d.finished, cost)
+    oracle = OracleDrafter(calls, argmax_flags(calls, weights, PRESETS["glm5-nano"]))
+    for cap in (2, 4, 8):
+        results[f"oracle argmax, cap {cap}"] = replay(calls, oracle.propose, oracle.observe, oracle.finished, cost,
+                                                      cap=cap)
+    for name, r in results.items():
+        print(f"{name:32s} steps {r['target_steps_off']} -> {r['target_steps']}, kept/drafted "
+              f"{r['kept_per_drafted']:.2f}, acceptance_len {r['acceptance_len']:.2f}, est. wall "
+              f"{r['est_wall_ratio']:.2f}x, tail {r['est_tail_ratio']:.2f}x")
+    out = {"policy": args.policy, "calls": args.calls, "samples": sum(len(c) for c in calls),
+           "step_cost_s": dataclasses.asdict(cost), "results": results,
+           "command": f"python benchmarks/draft_replay.py --policy P --calls {args.calls}"}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
