@@ -397,7 +397,7 @@ class Engine:
         if switched or record["prefill_rows"]:
             return
         rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
-        context = np.fromiter((s.start + s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
+        context = np.fromiter((s.end for s in scheduled), dtype=np.int64, count=len(scheduled))
         self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)), record["seconds"],
                           drafted=record["draft_tokens"] > 0)
 

@@ -255,10 +255,11 @@ class LayoutDriver:
 
 def _executed_batch(scheduled):
     """The StepBatch of a step that ran (ScheduledSeq list), read after its postprocess: each history
-    holds this step's rows, and a request that sampled has one token more than it has computed."""
+    holds this step's rows (``end``: a verification that rejected drafts has computed fewer since),
+    and a request that sampled has one token more than it has computed."""
     from splash_rollout.scheduling.cost_model import StepBatch
 
     reqs = [s.request for s in scheduled]
     sampled = [r.num_computed_tokens == r.num_tokens - 1 for r in reqs]
-    return StepBatch.make([r.num_computed_tokens for r in reqs], [s.num_new for s in scheduled], [r.owner for r in reqs],
+    return StepBatch.make([s.end for s in scheduled], [s.num_new for s in scheduled], [r.owner for r in reqs],
                           sum(sampled), sum(1 for r, x in zip(reqs, sampled) if x and r.num_output_tokens == 1))

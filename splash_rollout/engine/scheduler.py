@@ -54,6 +54,12 @@ class ScheduledSeq:
     """Followers that sample their first token from this (prompt-completing) chunk's last row."""
     draft: tuple[int, ...] = ()
     """Drafted tokens run after the request's last token (its last ``len(draft)`` rows), to verify."""
+    end: int = field(init=False)
+    """The history its rows see: computed tokens before the step plus ``num_new`` (fixed when
+    scheduled; after a verification the request has computed fewer -- the rejected drafts')."""
+
+    def __post_init__(self) -> None:
+        self.end = self.request.num_computed_tokens + self.num_new
 
     @property
     def start(self) -> int:

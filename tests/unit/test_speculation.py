@@ -174,6 +174,21 @@ def test_each_draft_is_credited_to_where_its_first_token_was_seen():
     assert metrics["spec/verified/own"] == 0.0 and metrics["spec/acceptance_len"] == 1.5
 
 
+def test_a_verified_step_is_priced_by_the_rows_it_ran():
+    """The layout policy and the gate read a step after its postprocess: a verification that rejected
+    its drafts has computed fewer positions than its rows saw (a 6-token request drafting 8 and
+    keeping none: 9 rows over 14 positions, 7 computed after)."""
+    from splash_rollout.engine.layout_driver import _executed_batch
+    from splash_rollout.engine.scheduler import ScheduledSeq
+
+    req = _request(0, [1, 2, 3, 4, 5], [6])
+    req.num_computed_tokens = 5
+    seq = ScheduledSeq(req, 9, draft=(7,) * 8)
+    req.num_computed_tokens, req.output_ids = 6, [6, 9]  # kept: the last token's row, then a new token
+    step = _executed_batch([seq])
+    assert step.context.tolist() == [14] and step.query_rows.tolist() == [9]
+
+
 def test_a_rejected_draft_shortens_the_next():
     drafter = SuffixDrafter(max_draft=8, max_ngram=2, tokens_per_match=4.0, min_confidence=0.0)
     prompt = [1]
