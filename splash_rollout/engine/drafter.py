@@ -8,7 +8,7 @@ what followed the longest suffix of the sample's tokens that occurred before:
 * the live samples of the same prompt (its siblings in the group), as they are written;
 * the prompt's responses from earlier calls: at most ``history_per_prompt`` finished sequences,
   the oldest dropped first (its n-grams counted out), for at most ``max_prompts`` prompts and
-  ``max_tokens`` tokens indexed over all of them (the least recently drafted prompts dropped: a
+  ``max_tokens`` tokens held over all of them (the least recently drafted prompts dropped: a
   token costs 0.4 KB of n-gram tables on the recipe's chains, 1.6 KB on text where every n-gram is
   new, measured with tracemalloc, so the default 2^19 holds an index to 0.2-0.8 GB per rank).
   They are kept across weight updates -- one RL step moves the policy little, and a stale entry
@@ -31,6 +31,9 @@ and every rank's scheduler replica must build exactly the same one from the same
 of tuples is all three. The draft length also follows the match length (``tokens_per_match`` per
 matched token) and the request's last verification (after a rejection, at most twice what was
 accepted plus one; after a full acceptance it doubles, up to ``max_draft``).
+
+Tokens are held as they come and indexed when a draft is next asked of their prompt: under
+``speculation="auto"`` with drafts off (a wide batch) the index costs nothing.
 
 Each draft is credited to where its first token was last seen (``DRAFT_SOURCES``: the group, an
 earlier call's response, the sample itself, the prompt), so acceptance is reported per source.
@@ -96,12 +99,15 @@ class _PromptIndex:
     followers: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
     """n-gram -> {token that followed it: times}. The prompt's own n-grams are counted once, not
     once per sample."""
-    prompt: list[int] | None = None
-    """The prompt, once its n-grams are counted."""
+    prompt: _Sequence | None = None
+    """The prompt (its n-grams counted once, not once per sample)."""
+    pending: dict[int, _Sequence] = field(default_factory=dict)
+    """Sequences (and the prompt, id -1) with tokens not yet indexed: indexed when a draft is next
+    asked of this prompt, so a call that never drafts (``auto`` keeping drafts off) never indexes."""
     last_writer: dict[tuple[int, ...], int] = field(default_factory=dict)
     """n-gram + (follower,) -> the sequence id that wrote it last (-1: the prompt)."""
     tokens: int = 0
-    """Tokens indexed (the prompt once, then every sequence's own)."""
+    """Tokens held (the prompt once, then every sequence's own), indexed or pending."""
 
 
 @dataclass
@@ -155,6 +161,7 @@ class SuffixDrafter:
             return ()
         self.stats.asked += 1
         index, seq = self._sequence(request)
+        self._catch_up(index)
         tokens, draft, chance, k = seq.tokens, [], 1.0, limit
         while len(draft) < k:
             text = tokens[-self.max_ngram:] + draft if draft else tokens
@@ -181,8 +188,11 @@ class SuffixDrafter:
 
     def observe(self, request: Request, drafted: int, accepted: int) -> None:
         index, seq = self._sequence(request)
-        seq.tokens.extend(request.output_ids[len(seq.tokens) - request.num_prompt_tokens:])
-        self._index(index, seq)
+        new = request.output_ids[len(seq.tokens) - request.num_prompt_tokens:]
+        if new:
+            seq.tokens.extend(new)
+            index.pending[seq.writer] = seq
+            self._hold(index, len(new))
         if drafted:
             self.stats.proposed += drafted
             self.stats.accepted += accepted
@@ -200,7 +210,10 @@ class SuffixDrafter:
             return
         index.history.append(request.request_id)
         if len(index.history) > self.history_per_prompt:
-            self._unindex(index, index.sequences.pop(index.history.pop(0)))
+            dropped = index.sequences.pop(index.history.pop(0))
+            index.pending.pop(dropped.writer, None)
+            self._unindex(index, dropped)
+            self._hold(index, -(len(dropped.tokens) - dropped.start))
 
     # ---- the index --------------------------------------------------------------------------------
     def _sequence(self, request: Request) -> tuple[_PromptIndex, _Sequence]:
@@ -213,15 +226,26 @@ class SuffixDrafter:
         seq = index.sequences.get(request.request_id)
         if seq is None:
             if index.prompt is None:
-                index.prompt = list(request.prompt_ids)
-                self._index(index, _Sequence(index.prompt, 0))
+                index.prompt = index.pending[-1] = _Sequence(list(request.prompt_ids), 0)
+                self._hold(index, request.num_prompt_tokens)
             p = request.num_prompt_tokens
             seq = index.sequences[request.request_id] = _Sequence(list(request.token_ids), p, request.request_id, p,
                                                                   self.call)
-            self._index(index, seq)
+            index.pending[seq.writer] = seq
+            self._hold(index, len(seq.tokens) - p)
         while len(self._prompts) > 1 and (len(self._prompts) > self.max_prompts or self._tokens > self.max_tokens):
             self._tokens -= self._prompts.popitem(last=False)[1].tokens  # the least recently drafted prompt
         return index, seq
+
+    def _hold(self, index: _PromptIndex, tokens: int) -> None:
+        index.tokens += tokens
+        self._tokens += tokens
+
+    def _catch_up(self, index: _PromptIndex) -> None:
+        """Index every token of this prompt's sequences seen since its last draft (prompt first)."""
+        for seq in index.pending.values():
+            self._index(index, seq)
+        index.pending.clear()
 
     def _source_of(self, index: _PromptIndex, request: Request, ngram_and_token: list[int]) -> str:
         writer = index.last_writer.get(tuple(ngram_and_token), -1)
@@ -244,10 +268,6 @@ class SuffixDrafter:
                 counts[token] = counts.get(token, 0) + 1
                 if n >= self.min_match:
                     writers[ngram + (token,)] = writer
-        added = len(tokens) - max(seq.indexed, 1)
-        if added > 0:
-            index.tokens += added
-            self._tokens += added
         seq.indexed = len(tokens)
 
     def _unindex(self, index: _PromptIndex, seq: _Sequence) -> None:
@@ -265,6 +285,3 @@ class SuffixDrafter:
                         del followers[ngram]
                 if n >= self.min_match and writers.get(ngram + (token,)) == seq.writer:
                     del writers[ngram + (token,)]
-        removed = seq.indexed - max(seq.start, 1)
-        index.tokens -= removed
-        self._tokens -= removed

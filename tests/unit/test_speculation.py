@@ -224,13 +224,25 @@ def test_dropped_sequences_are_counted_out_and_the_index_is_bounded_in_tokens():
     fresh = SuffixDrafter(max_ngram=3, history_per_prompt=2, min_confidence=0.0)
     for rid in (2, 3):  # the two kept: the index is as if the dropped ones had never been seen
         fresh.observe(_request(rid, [1, 2], responses[rid]), 0, 0)
+    for d in (drafter, fresh):  # a draft asked of the prompt indexes what it holds
+        assert d.propose(_request(9, [1, 2], [7, 8]), 2)
     assert drafter._prompts[(1, 2)].followers == fresh._prompts[(1, 2)].followers
-    assert drafter._tokens == fresh._tokens == 1 + 5 + 5  # the prompt's one position and each response's
-    bounded = SuffixDrafter(max_ngram=3, max_tokens=12, min_confidence=0.0)
-    for p in range(4):  # each prompt indexes 1 + 5 tokens: a third prompt drops the least recently drafted
+    assert drafter._tokens == fresh._tokens == 2 + 5 + 5 + 2  # the prompt, the two kept and the asking one
+    bounded = SuffixDrafter(max_ngram=3, max_tokens=14, min_confidence=0.0)
+    for p in range(4):  # each prompt holds 2 + 5 tokens: a third prompt drops the least recently drafted
         bounded.observe(_request(p, [1, 2 + p], [7, 8, 9, 7, 8]), 0, 0)
-        assert bounded._tokens <= 12 or len(bounded._prompts) == 1
+        assert bounded._tokens <= 14
     assert list(bounded._prompts) == [(1, 4), (1, 5)]
+
+
+def test_a_call_that_never_drafts_indexes_nothing():
+    drafter = SuffixDrafter(max_ngram=3, min_confidence=0.0)
+    for rid in range(4):
+        drafter.observe(_request(rid, [1, 2], [7, 8, 9, 7, 8]), 0, 0)
+    index = drafter._prompts[(1, 2)]
+    assert not index.followers and len(index.pending) == 5  # the prompt and four samples, held
+    assert drafter.propose(_request(9, [1, 2], [7, 8]), 3) == (9, 7, 8)
+    assert index.followers and not index.pending
 
 
 def test_under_retraction_pressure_the_tokens_are_the_same(engines):
