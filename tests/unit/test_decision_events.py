@@ -101,7 +101,8 @@ def _drive(driver, sched, layout, steps, finish_at=(), switch=True):
             driver.switched()
         record = {"layout": layout.value, "seconds": 0.05, "requests": len(sched.running), "rows": len(sched.running),
                   "prefill_rows": 0, "split_s": {"policy": driver.take_policy_s()}}
-        driver.observe_step(record, [SimpleNamespace(request=r, num_new=1) for r in sched.running])
+        driver.observe_step(record, [SimpleNamespace(request=r, num_new=1, end=r.num_computed_tokens)
+                                     for r in sched.running])
         if step in finish_at:
             done = sched.running.pop()
             done.finish_reason = "length"
