@@ -21,7 +21,8 @@ against 1 token for t(B rows). While requests wait, the gate takes the cap (0, 1
 call's time -- and there a drafted step costs more than its rows (requests finish at staggered
 steps, so the queue's prompts arrive in more, smaller chunks), so once both kinds have run
 ``regime_steps`` steps at a batch width, their measured tokens per second decide drafting on or off
-there (the kind θ would not choose is run once for that many steps to measure it). Once nothing waits, the call lasts as long as its slowest request: with S steps left
+there (the kind θ would not choose is run once for that many steps to measure it; the first quarter
+of a run is not counted: it still carries the previous kind's aftermath). Once nothing waits, the call lasts as long as its slowest request: with S steps left
 (the median budget left of the running requests), K a request's kept tokens per step (mean m and
 variance v, from the per-cap record) and B requests, the slowest of them gains about
 max(0, m·S - sqrt(2 ln B)·sqrt(v·S)) tokens over those steps -- drafts that speed the average
@@ -78,6 +79,8 @@ class SpeculationGate:
         """(width, drafted) -> decayed [steps, tokens, seconds] of the steps run while requests waited."""
         self._block: tuple[int, int, int] | None = None
         """(width, cap, last step) of a run of steps measuring a kind while requests wait."""
+        self._run: tuple[bool, int] = (False, 0)
+        """(drafted, length) of the current run of one kind of step."""
         self._last_throughput_width: int | None = None
         """The width of the step just chosen under the throughput objective (None: the other objective)."""
         self.verified: dict[int, list[float]] = {}
@@ -230,9 +233,13 @@ class SpeculationGate:
 
     def measure(self, tokens: int, seconds: float, drafted: bool, decay: float = 0.97) -> None:
         """The step just chosen wrote ``tokens`` in ``seconds``; counted toward its kind's throughput at
-        its width when it ran under the throughput objective (requests waiting or prompt chunks in it)."""
+        its width when it ran under the throughput objective (requests waiting or prompt chunks in it)
+        -- in its steady state: the first quarter of a run of one kind still carries the previous
+        kind's aftermath (a drafted run's staggered finishes bring the queue's prompt chunks into the
+        steps after it) and is not counted."""
         w = self._last_throughput_width
-        if w is None or seconds <= 0:
+        self._run = (drafted, self._run[1] + 1) if self._run[0] == drafted else (drafted, 1)
+        if w is None or seconds <= 0 or self._run[1] <= self.regime_steps // 4:
             return
         acc = self.throughput.setdefault((w, drafted), [0.0, 0.0, 0.0])
         for i, x in enumerate((1.0, float(tokens), seconds)):
@@ -240,9 +247,10 @@ class SpeculationGate:
 
     def measured_rate(self, width: int, drafted: bool) -> float | None:
         """Measured tokens per second of this kind of step at ``width`` while requests waited, once it
-        has ``regime_steps`` steps' worth (decayed), else None."""
+        has most of a run's steady state (decayed), else None."""
         acc = self.throughput.get((width, drafted))
-        if acc is None or acc[0] < self.regime_steps * 0.75:  # 16 steps decayed at 0.97 weigh ~13
+        steady = self.regime_steps - self.regime_steps // 4
+        if acc is None or acc[0] < 0.75 * steady:  # 12 steps decayed at 0.97 weigh ~10.3
             return None
         return acc[1] / acc[2]
 

@@ -327,6 +327,8 @@ def test_while_requests_wait_the_gate_keeps_the_kind_of_step_that_measured_faste
         gate.measure(80 if cap else 64, 0.020 if cap else 0.010, drafted=cap > 0)
     # a run of the kind θ would not choose, then θ's drafts measured as they run, then the faster kind
     assert kinds == [False] * 4 + [True] * 4 + [False] * 4
+    # each run's first quarter (here its first step: the previous kind's aftermath) is not counted
+    assert gate.throughput[(gate.width(64), True)][0] == pytest.approx(1 + 0.97 + 0.97 ** 2)
     choice = gate.choose(12, wide, queued=100)
     assert choice.cap == 0 and "measured 6400 tok/s plain vs 4000 drafted" in choice.reason
     assert any("measuring a run of plain steps" in e["reason"] for e in gate.log)
