@@ -14,7 +14,11 @@ Parts (each runs in its own try; a failure records its traceback and the next pa
   with DeepSeek-V2-Lite's attention dimensions in bfloat16, per backend, next to the HBM-bandwidth
   bound of the weights and KV a step reads; decode-only rates come from two runs of different
   lengths (their difference cancels prefill);
-* ``transformers_peer``: transformers' ``generate`` on the same model shape, device and batch sizes.
+* ``transformers_peer``: transformers' ``generate`` on the same model shape, device and batch sizes;
+* ``speculation``: the single-rank engine (``glm5-nano``; the torch backend under reproducible
+  numerics, Triton under fast) with ``speculation`` off, always and auto on groups that repeat their
+  prompt (a call to fill the drafter's history, then one measured): the same tokens as ``off``, the
+  largest logprob difference (0 under reproducible), engine steps, seconds, acceptance.
 
 The JSON (``device_check.json`` under ``--out``, default ``$OUT``) is rewritten after every part,
 so a run cut short keeps what finished. ``--cpu --tiny`` runs every part on small shapes on the CPU
@@ -32,7 +36,8 @@ import sys
 import time
 import traceback
 
-PARTS = ("env", "kernel_parity", "kernel_bandwidth", "engine_cuda_vs_cpu", "decode_throughput", "transformers_peer")
+PARTS = ("env", "kernel_parity", "kernel_bandwidth", "engine_cuda_vs_cpu", "speculation", "decode_throughput",
+         "transformers_peer")
 BACKENDS = ("torch", "triton", "flashmla")
 
 
@@ -329,6 +334,48 @@ def part_engine_cuda_vs_cpu(ctx) -> dict:
     return results
 
 
+def part_speculation(ctx) -> dict:
+    """Speculative decoding on the device: always / auto write exactly off's samples."""
+    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    prompts = [[5, 6, 7, 8] * 4, [9, 10] * 6, [3] * 12]
+    new = 8 if ctx.tiny else 64
+    calls = [SamplingParams(n=8, temperature=0.0, max_new_tokens=new, ignore_eos=True),
+             SamplingParams(n=8, temperature=1.0, top_k=8, max_new_tokens=new, ignore_eos=True, seed=3)]
+    results = {}
+    for name in BACKENDS:
+        backend, why = backend_or_reason(name)
+        if backend is None or name == "flashmla":  # FlashMLA pages are bfloat16: reproducible numerics are float32
+            results[name] = {"status": "unavailable", "why": why or "bfloat16 pages only"}
+            continue
+        # torch: reproducible numerics, where a verified row rounds like a decoded one; Triton
+        # accumulates in float32 (fast numerics): the same tokens, logprobs to rounding
+        numerics = "reproducible" if name == "torch" else "fast"
+        try:
+            per_arm = {"numerics": numerics}
+            for arm in ("off", "always", "auto"):
+                config = EngineConfig(model="glm5-nano", device=ctx.device, attention_backend=name, numerics=numerics,
+                                      memory_budget_gib=0.05, page_size=64, speculation=arm)
+                with RolloutEngine(config) as eng:
+                    eng.generate(prompts, calls[0])  # the drafter's history for these prompts
+                    t0 = time.time()
+                    out = eng.generate(prompts, calls[1])
+                    ctx.sync()
+                    per_arm[arm] = {"seconds": time.time() - t0, "steps": out.metrics["perf/steps"],
+                                    "acceptance_len": out.metrics["spec/acceptance_len"],
+                                    "samples": [(s.response_ids, s.response_logprobs) for s in out.samples]}
+            want = per_arm["off"].pop("samples")
+            for arm in ("always", "auto"):
+                got = per_arm[arm].pop("samples")
+                per_arm[arm]["same_tokens"] = [g[0] for g in got] == [w[0] for w in want]
+                per_arm[arm]["max_abs_logprob"] = max((abs(a - b) for g, w in zip(got, want)
+                                                       for a, b in zip(g[1], w[1])), default=0.0)
+            results[name] = per_arm
+        except Exception:  # noqa: BLE001
+            results[name] = {"error": traceback.format_exc(limit=8)}
+    return results
+
+
 def throughput_model(ctx):
     """DeepSeek-V2-Lite's attention dimensions (16 heads, no q LoRA, kv_lora_rank 512, rope 64, nope
     128, v 128, hidden 2048) with dense FFN layers; ``--tiny`` shrinks everything."""
@@ -429,7 +476,8 @@ def part_transformers_peer(ctx) -> dict:
 
 
 PART_FUNCS = {"env": part_env, "kernel_parity": part_kernel_parity, "kernel_bandwidth": part_kernel_bandwidth,
-              "engine_cuda_vs_cpu": part_engine_cuda_vs_cpu, "decode_throughput": part_decode_throughput,
+              "engine_cuda_vs_cpu": part_engine_cuda_vs_cpu, "speculation": part_speculation,
+              "decode_throughput": part_decode_throughput,
               "transformers_peer": part_transformers_peer}
 
 
