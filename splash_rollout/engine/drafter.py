@@ -74,6 +74,12 @@ DRAFT_SOURCES = ("group", "history", "own", "prompt")
 (``group``), a response from an earlier call (``history``), the sample itself (``own``), its prompt."""
 
 
+def credit(table: dict[str, list[int]], source: str, drafted: int, kept: int) -> None:
+    """Count one verification in ``table`` (source -> [verifications, drafted tokens, kept])."""
+    counts = table.setdefault(source, [0, 0, 0])
+    counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + drafted, counts[2] + kept
+
+
 @dataclass
 class _Sequence:
     tokens: list[int]
@@ -197,8 +203,7 @@ class SuffixDrafter:
             self.stats.proposed += drafted
             self.stats.accepted += accepted
             self.stats.rejections += accepted < drafted
-            counts = self.stats.by_source[self.source(request)]
-            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + drafted, counts[2] + accepted
+            credit(self.stats.by_source, self.source(request), drafted, accepted)
             self._cap[request.request_id] = (min(self.max_draft, 2 * drafted) if accepted == drafted
                                              else max(1, 2 * accepted + 1))
 

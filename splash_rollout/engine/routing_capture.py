@@ -49,14 +49,14 @@ class RoutingRecorder:
             if p < num_positions:
                 self._parts.setdefault(dst_id, []).insert(0, (p, a[: num_positions - p].copy()))
 
-    def take(self, request_id: int, num_positions: int) -> np.ndarray:
-        """[num_positions, num_moe_layers, top_k] int16 of a request (its records are dropped): row p =
-        the experts of the token at position p; ``num_positions``: the positions whose token is kept
-        and was run (prompt + response - 1). Speculation runs rows past that -- drafted tokens a
-        verification rejected: their positions are run again with the kept token (written later, so
-        they win), and those past the request's end are cut here."""
-        parts = self._parts.pop(request_id, [])
-        n = min(num_positions, max((p + len(a) for p, a in parts), default=0))
+    def take(self, request) -> np.ndarray:
+        """[num_positions, num_moe_layers, top_k] int16 of a finished request (its records are dropped):
+        row p = the experts of the token at position p, for the positions whose token is kept and was
+        run (prompt + response - 1). Speculation runs rows past those -- drafted tokens a verification
+        rejected: their positions are run again with the kept token (written later, so they win), and
+        those past the request's end are cut here."""
+        parts = self._parts.pop(request.request_id, [])
+        n = min(request.num_tokens - 1, max((p + len(a) for p, a in parts), default=0))
         out = np.zeros((n, self.num_moe_layers, self.top_k), dtype=np.int16)
         for p, a in parts:
             if p < n:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from splash_rollout.scheduling.admission import AdmissionSettings, GrowthEstimate
+from splash_rollout.engine.drafter import credit
 from splash_rollout.engine.page_manager import num_pages_for
 from splash_rollout.engine.placement import KVPlacement, PageCopy
 from splash_rollout.engine.request import Request, RequestStatus
@@ -477,8 +478,7 @@ class Scheduler:
                 break
         req.num_computed_tokens = start + kept  # the last token and the accepted drafts: their rows' KV
         self.drafter.observe(req, len(draft), accepted)
-        counts = self.by_source.setdefault(self.drafter.source(req), [0, 0, 0])
-        counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + len(draft), counts[2] + accepted
+        credit(self.by_source, self.drafter.source(req), len(draft), accepted)
         self.accepted += accepted
         self.accepted_sq += accepted * accepted
         self.written += kept

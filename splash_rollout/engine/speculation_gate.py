@@ -265,24 +265,22 @@ class SpeculationGate:
         modelled = self._decided(step, context, prefill_rows, None)
         if self.regime_steps <= 0:
             return self._logged(step, modelled)
-        if self._block is not None and self._block[0] == w and step <= self._block[2]:
-            return self._logged(step, GateChoice(self._block[1], "measuring a run of "
-                                                 f"{'drafted' if self._block[1] else 'plain'} steps while requests "
-                                                 "wait", modelled.tokens_per_s))
-        best_drafted = max((c for c in self.caps if c), key=lambda c: (modelled.tokens_per_s.get(c, 0.0), -c))
-        plain, drafted = self.measured_rate(w, False), self.measured_rate(w, True)
-        if plain is None or drafted is None:
+        in_run = self._block is not None and self._block[0] == w and step <= self._block[2]
+        if not in_run:
+            best_drafted = max((c for c in self.caps if c), key=lambda c: (modelled.tokens_per_s.get(c, 0.0), -c))
+            plain, drafted = self.measured_rate(w, False), self.measured_rate(w, True)
+            if plain is not None and drafted is not None:
+                why = (f"{int(context.size)} decoding, requests waiting: measured {plain:.0f} tok/s plain vs "
+                       f"{drafted:.0f} drafted at this width")
+                return self._logged(step, GateChoice(best_drafted if drafted > plain else 0, why,
+                                                     modelled.tokens_per_s))
             unmeasured_cap = 0 if plain is None else best_drafted
-            if (modelled.cap > 0) != (unmeasured_cap > 0):  # θ would not run it: run it for a while
-                self._block = (w, unmeasured_cap, step + self.regime_steps - 1)
-                return self._logged(step, GateChoice(unmeasured_cap, "measuring a run of "
-                                                     f"{'drafted' if unmeasured_cap else 'plain'} steps while "
-                                                     "requests wait", modelled.tokens_per_s))
-            return self._logged(step, modelled)
-        cap = best_drafted if drafted > plain else 0
-        why = (f"{int(context.size)} decoding, requests waiting: measured {plain:.0f} tok/s plain vs "
-               f"{drafted:.0f} drafted at this width")
-        return self._logged(step, GateChoice(cap, why, modelled.tokens_per_s))
+            if (modelled.cap > 0) == (unmeasured_cap > 0):  # θ runs the unmeasured kind: measured as it runs
+                return self._logged(step, modelled)
+            self._block = (w, unmeasured_cap, step + self.regime_steps - 1)  # θ would not run it: a run of it
+        cap = self._block[1]
+        return self._logged(step, GateChoice(cap, f"measuring a run of {'drafted' if cap else 'plain'} steps "
+                                             "while requests wait", modelled.tokens_per_s))
 
     def _logged(self, step: int, choice: GateChoice) -> GateChoice:
         """``choice``, its change of cap appended to ``log``."""

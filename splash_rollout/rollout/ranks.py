@@ -295,7 +295,7 @@ def worker_serve(ctx, records: list[RequestRecord], progress: bool = False):
     if finished is None:
         return None
     results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort",
-                             engine.routing.take(r.request_id, r.num_tokens - 1) if engine.routing is not None else None)
+                             engine.routing.take(r) if engine.routing is not None else None)
                for r in finished]
     steps, switches, decisions = engine.step_log, engine.switch_log, engine.decision_log
     engine.step_log, engine.switch_log = [], []

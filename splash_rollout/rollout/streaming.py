@@ -65,7 +65,7 @@ def worker_serve_poll(ctx, records: list[RequestRecord], max_steps: int | None, 
     if finished is None:
         return None
     results = [RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs), r.finish_reason or "abort",
-                             engine.routing.take(r.request_id, r.num_tokens - 1) if engine.routing is not None else None)
+                             engine.routing.take(r) if engine.routing is not None else None)
                for r in finished]
     seen = ctx.state.get("decisions_seen", 0)
     decisions = engine.decision_log[seen:]
