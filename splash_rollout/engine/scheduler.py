@@ -216,7 +216,10 @@ class Scheduler:
         self.drafts, self.accepted, self.accepted_sq, self.written = {}, 0, 0, 0
         self.by_source = {}
         self.estimate.stepped()
-        plan = self._fit(self._running_rows())
+        plan = self._running_rows()
+        if self.drafter is not None and self.draft_cap > 0:
+            plan = self._with_drafts(plan, self.max_num_batched_tokens - sum(n for _, n in plan))
+        plan = self._fit(plan)
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
         out = [self._take(req, n) for req, n in plan]
         room = [f - p for f, p in zip(self.placement.pages_free, self.pages_promised())]
@@ -231,7 +234,9 @@ class Scheduler:
         return out
 
     def _running_rows(self) -> list[tuple[Request, int]]:
-        """The running requests' rows this step: decode first, then prefill chunks, within the budget."""
+        """The running requests' rows this step: decode first, then prefill chunks, within the budget.
+        Drafts are not in it: only ``schedule`` asks the drafter (asking changes the drafter's index,
+        and ``pressure`` runs on rank 0 alone -- every replica must ask it the same questions)."""
         budget = self.max_num_batched_tokens
         plan: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.fork_of is None and not r.in_prefill]
@@ -242,8 +247,6 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, budget)
             plan.append((req, n))
             budget -= n
-        if self.drafter is not None and self.draft_cap > 0:
-            plan = self._with_drafts(plan, budget)
         return plan
 
     def _with_drafts(self, plan: list[tuple[Request, int]], budget: int) -> list[tuple[Request, int]]:
@@ -264,7 +267,8 @@ class Scheduler:
     def pressure(self) -> tuple[list[int], list[Request]]:
         """Before a step, without changing anything: [T] pages the running requests' rows would lack on
         each rank, and the requests ``schedule`` would retract for them (youngest first; estimated
-        from the pages only they hold). ([0] * T, []) when the step fits."""
+        from the pages only they hold). ([0] * T, []) when the step fits. Drafts are left out: a
+        step drops its drafts before it retracts, so they never make pressure."""
         if self._surely_fits():
             return [0] * self.placement.world_size, []
         plan = self._running_rows()

@@ -370,3 +370,40 @@ def test_with_nothing_queued_the_gate_prices_the_slowest_request():
     assert last.cap == 0 and "slowest request" in last.reason  # 64 in lockstep, 4 steps left: no gain
     tail = gate.choose(2, np.full(2, 50), queued=0, tokens_left=np.full(2, 200))
     assert tail.cap == 2  # two long requests: the slowest gains nearly the mean
+
+
+def test_the_drivers_pressure_probe_leaves_the_replica_unchanged():
+    """Rank 0's driver asks ``pressure()`` before a step and the other ranks never do, so asking it
+    must change nothing the next ``schedule`` depends on -- here the drafter's index, whose n-gram
+    counts break ties by the order tokens were indexed in. Two replicas take the same tokens under a
+    tight pool and a draft cap that turns on and off; one is probed before every step."""
+    import random
+
+    import torch
+
+    from splash_rollout.engine.placement import KVPlacement
+    from splash_rollout.engine.scheduler import Scheduler
+    from splash_rollout.layout import Layout
+
+    def replica() -> Scheduler:
+        sched = Scheduler(KVPlacement([32], 4, Layout.TP), max_num_batched_tokens=32, max_num_seqs=12,
+                          drafter=SuffixDrafter(max_draft=4, min_match=1, min_confidence=0.0))
+        for rid in range(12):
+            sched.add(Request(rid, [3 + rid % 3, 4, 5], SamplingSpec(max_new_tokens=40, ignore_eos=True), 1024))
+        return sched
+
+    probed, plain = replica(), replica()
+    rng, probes, step = random.Random(1), 0, 0
+    while plain.has_unfinished:
+        probes += bool(probed.pressure()[0] or not probed._surely_fits())
+        cap = 4 if (step // 3) % 2 else 0
+        probed.draft_cap = plain.draft_cap = cap
+        a, b = probed.schedule(), plain.schedule()
+        assert [(s.request.request_id, s.num_new, s.draft) for s in a] == \
+               [(s.request.request_id, s.num_new, s.draft) for s in b], f"step {step}"
+        rows = sum(len(s.draft) + 1 if s.draft else (1 + len(s.forks)) * s.samples for s in b)
+        tokens = torch.tensor([rng.randrange(6, 16) for _ in range(rows)])
+        probed.postprocess(a, tokens, torch.zeros(rows))
+        plain.postprocess(b, tokens, torch.zeros(rows))
+        step += 1
+    assert probes > 0 and plain.drafter.stats.accepted > 0
