@@ -2,17 +2,17 @@
 
 Every rank runs the same scheduler replica (admission, owners, page grants, chunked prefill,
 switch re-placement: all deterministic) and keeps its own page tables (``BlockTable``, a device
-tensor) and KV pool. Rank 0 is the driver: it samples, and decides what no replica can compute --
-the layout (``LayoutDriver``), when to stop -- and before each step sends every rank one small
-``StepControl`` (the tokens it sampled last step, a switch order, stop). A step then reads like the
-algorithm::
+tensor) and KV pool. Rank 0 is the driver: it decides what no replica can compute -- the layout
+(``LayoutDriver``), the draft cap, when to stop -- and before each step sends every rank one small
+``StepControl``. Every rank samples the rows its layout gives it (``executor.sampling_ranks``: a
+DP-attention rank its own requests', the replicated layouts an even share) and one all-gather of
+the sampled tokens brings every replica the whole step. A step then reads like the algorithm::
 
     control = exchange(decide())        # rank 0 decides, every rank hears it
-    apply(previous step, control.tokens) # the other ranks catch up on the sampled tokens
     enter(control.switch)                # a live switch: every rank re-places the same way
     scheduled = scheduler.schedule()     # the same on every rank
     logits = forward(batch of scheduled) # this rank's part, through its layout's executor
-    sample + postprocess                 # rank 0
+    sample (this rank's rows), gather every rank's, postprocess   # every rank, the same tokens
 
 Each rank holds only its share of the weights: the switchable projections of its layout's head
 slice (``ProjectionShard``), its feed-forward shard, and the replicated rest.
@@ -139,14 +139,12 @@ class StepEvent:
 
 @dataclass
 class _Step:
-    """What a rank remembers of the step it just ran until the next control message."""
+    """What a rank remembers of the step it just ran."""
 
-    scheduled: list[ScheduledSeq]
-    rows: int
-    tokens: np.ndarray | None = None
-    """[R] int32 on rank 0: the sampled tokens."""
+    sampled: int
+    """Tokens the step sampled (one per sampling request, fork and verified row)."""
     finished: list[Request] = field(default_factory=list)
-    """Rank 0: the requests that finished in this step."""
+    """The requests that finished in this step."""
 
 
 class Engine:
@@ -267,10 +265,7 @@ class Engine:
         try:
             while True:
                 t0 = time.perf_counter()
-                control, nbytes = exchange(self.control, self._decide(prev, steps, max_steps)
-                                           if self.rank == 0 else None)
-                if self.rank != 0 and prev is not None:
-                    self._apply_tokens(prev, control)
+                control, nbytes = exchange(self.control, self._decide(steps, max_steps) if self.rank == 0 else None)
                 if control.failed is not None:
                     raise RuntimeError(f"rank {self.rank}: the driver (rank 0) failed: {control.failed}")
                 if control.stop:
@@ -290,13 +285,13 @@ class Engine:
                     if on_step is not None:
                         waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
                         on_step(StepEvent(self.num_steps - 1, self.layout.value, len(finished), len(finished) + waiting,
-                                          int(prev.tokens.shape[0]), self.step_log[-1]["seconds"]))
+                                          prev.sampled, self.step_log[-1]["seconds"]))
                 if self.heartbeat is not None:
                     self.heartbeat({"step": self.num_steps, "finished": len(finished)})
         except BaseException as e:
             if self.rank == 0 and not mid_step and self.world_size > 1:
                 try:  # they wait for a control message: tell them. Mid-step they sit in a collective
-                    exchange(self.control, StepControl(None, 0, stop=True, failed=f"{type(e).__name__}: {e}"))
+                    exchange(self.control, StepControl(stop=True, failed=f"{type(e).__name__}: {e}"))
                 except Exception:  # noqa: BLE001 - the cause is raised below
                     pass
             self.abort_all()
@@ -305,15 +300,13 @@ class Engine:
         self.switch_measures = []
         return finished if self.rank == 0 else None
 
-    def _decide(self, prev: _Step | None, steps: int, max_steps: int | None) -> StepControl:
+    def _decide(self, steps: int, max_steps: int | None) -> StepControl:
         """Rank 0 at a step boundary: stop, abort, or go on (with a switch the driver chose)."""
-        tokens = prev.tokens if prev is not None else None
-        rows = prev.rows if prev is not None else 0
         if self.should_abort is not None and self.should_abort():
-            return StepControl(tokens, rows, stop=True, abort=True)
+            return StepControl(stop=True, abort=True)
         if not self.scheduler.has_unfinished or (max_steps is not None and steps >= max_steps):
-            return StepControl(tokens, rows, stop=True)
-        return StepControl(tokens, rows, self.driver.at_boundary(self.layout, self.num_steps, self.scheduler),
+            return StepControl(stop=True)
+        return StepControl(self.driver.at_boundary(self.layout, self.num_steps, self.scheduler),
                            draft_cap=self._draft_cap())
 
     def _draft_cap(self) -> int:
@@ -324,15 +317,6 @@ class Engine:
         if self.gate is None:
             return drafter.max_draft
         return self.gate.choose_for(self.num_steps, self.scheduler).cap
-
-    def _apply_tokens(self, prev: _Step, control: StepControl) -> None:
-        """A non-driver rank: finish its previous step with the tokens rank 0 sampled."""
-        if control.rows != prev.rows:
-            raise RuntimeError(f"rank {self.rank}: scheduler replica diverged from the driver: it ran "
-                               f"{prev.rows} rows in step {self.num_steps - 1}, rank 0 ran {control.rows}")
-        tokens = control.tokens if control.tokens is not None else np.zeros(0, dtype=np.int32)
-        self._postprocess(prev.scheduled, torch.from_numpy(tokens.astype(np.int64)),
-                          torch.zeros(len(tokens), dtype=torch.float32))
 
     def _step(self, switch: tuple[Layout, bool] | None, control_bytes: int, control_s: float) -> "_Step":
         """One step on this rank after its control message: switch, schedule, batch, forward, sample."""
@@ -359,13 +343,11 @@ class Engine:
             self.block_table.release(r.request_id)
         return scheduled
 
-    def _finish(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, logits, order) -> "_Step":
-        """Rank 0 samples and post-processes; a switch retires the pages it moved away from."""
-        step = _Step(scheduled, batch.num_tokens)
-        if self.rank == 0:
-            tokens, logprobs = self._sample(scheduled, logits)
-            step.finished = self._postprocess(scheduled, tokens, logprobs)
-            step.tokens = tokens.to(torch.int32).cpu().numpy()
+    def _finish(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, logits: torch.Tensor, order) -> "_Step":
+        """Every rank samples its rows, hears the others' and post-processes the same tokens; a
+        switch retires the pages it moved away from."""
+        tokens, logprobs = self._sample(scheduled, batch, logits)
+        step = _Step(int(tokens.shape[0]), self._postprocess(scheduled, tokens, logprobs))
         if order is not None:
             retire_source_pages(self.scheduler.placement, order[1])
         self.num_steps += 1
@@ -401,9 +383,12 @@ class Engine:
         self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)), record["seconds"],
                           drafted=record["draft_tokens"] > 0)
 
-    def _sample(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank 0: one token per sampling chunk and per follower forked off it (the follower samples
-        from its leader's last prompt row with its own seed). logits: [R, vocab] → tokens, logprobs [R']."""
+    def _sample(self, scheduled: list[ScheduledSeq], batch: ForwardBatch,
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tokens and logprobs [S] on every rank, in scheduled order: one per sampling
+        chunk, one per follower forked off it (it samples from its leader's last prompt row with its
+        own seed), one per verified row. This rank draws those of the rows ``sampling_ranks`` gives it
+        from ``logits`` [r, vocab]; one all-gather brings the rest."""
         specs, draws, rows = [], [], []
         row = 0
         for seq in scheduled:
@@ -418,9 +403,41 @@ class Engine:
                     draws.append(r.num_output_tokens)
                     rows.append(row)
             row += seq.num_sampled
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return sample(logits, SamplingBatch.make(specs, draws, logits.device))
+        row_rank = self.runner.executor.sampling_ranks(batch).cpu()  # [R]
+        sample_rank = row_rank[torch.tensor(rows, dtype=torch.int64)]  # [S]
+        here = (sample_rank == self.rank).nonzero().flatten().tolist()
+        local_row = torch.cumsum(row_rank == self.rank, 0) - 1  # [R]: a row's place among this rank's
+        if here:
+            picked = local_row[torch.tensor([rows[j] for j in here])].to(logits.device)
+            tokens, logprobs = sample(logits.index_select(0, picked),
+                                      SamplingBatch.make([specs[j] for j in here], [draws[j] for j in here],
+                                                         logits.device))
+            tokens, logprobs = tokens.cpu(), logprobs.cpu()
+        else:
+            tokens, logprobs = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
+        if self.world_size == 1:
+            return tokens, logprobs
+        return self._gather_samples(sample_rank, tokens, logprobs, batch.num_tokens)
+
+    def _gather_samples(self, sample_rank: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+                        rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's sampled (token, logprob) pairs [S] in scheduled order, from this rank's and one
+        all-gather. Each rank's piece starts with what its replica scheduled (samples, query rows):
+        replicas that disagree raise here, naming both counts, before any token is applied."""
+        counts = torch.bincount(sample_rank, minlength=self.world_size).tolist()
+        mine = torch.cat([torch.tensor([[float(sample_rank.shape[0]), float(rows)]], dtype=torch.float64),
+                          torch.stack([tokens.double(), logprobs.double()], dim=1)])  # [1 + s, 2]
+        got = self.comm.all_gather_uneven(mine, [c + 1 for c in counts], tag="step/tokens")  # [T + S, 2]
+        starts = np.cumsum([0] + [c + 1 for c in counts])[:-1]
+        for q, at in enumerate(starts.tolist()):
+            if q != self.rank and not torch.equal(got[at], mine[0]):
+                raise RuntimeError(f"rank {self.rank}: scheduler replica diverged from rank {q}'s in step "
+                                   f"{self.num_steps}: it sampled {int(mine[0, 0])} tokens over {rows} rows, "
+                                   f"rank {q} {int(got[at, 0])} over {int(got[at, 1])}")
+        body = torch.cat([got[at + 1: at + 1 + c] for at, c in zip(starts.tolist(), counts)])  # [S, 2] rank order
+        pairs = torch.empty_like(body)
+        pairs[torch.argsort(sample_rank, stable=True)] = body  # scheduled order
+        return pairs[:, 0].long(), pairs[:, 1].to(logprobs.dtype)
 
     def _batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         """This rank's ForwardBatch: O(B) Python plus tensor ops on the device."""
@@ -435,14 +452,14 @@ class Engine:
                                       self.block_table.table[rows, :widest], self.page_size)
 
     @torch.inference_mode()
-    def _forward(self, batch: ForwardBatch, order) -> torch.Tensor | None:
-        """This rank's part of one step; logits [R, vocab] on rank 0, None elsewhere."""
+    def _forward(self, batch: ForwardBatch, order) -> torch.Tensor:
+        """This rank's part of one step; the logits [r, vocab] of the rows it samples."""
         if order is None:
-            return self.runner.forward(batch, logits=self.rank == 0)
+            return self.runner.forward(batch)
         switch = RankSwitch(order[0], self.state, [layer.self_attn for layer in self.model.model.layers],
                             self.transfer, self.tracked_bytes, self.page_size)
         self.runner.executor = EXECUTORS[order[0].dst](self.state)
-        logits = self.runner.forward(batch, logits=self.rank == 0, before_layer=switch.before_layer)
+        logits = self.runner.forward(batch, before_layer=switch.before_layer)
         self.switch_measures.append(switch.measure())
         return logits
 

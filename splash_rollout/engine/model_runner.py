@@ -18,9 +18,9 @@ class ModelRunner:
         self.executor = executor
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, logits: bool = True, before_layer=None) -> torch.Tensor | None:
-        """→ logits [R, vocab] for ``batch.sample_rows`` (None when ``logits`` is False: ranks
-        other than the driver run the layers for their collectives but sample nothing).
+    def forward(self, batch: ForwardBatch, before_layer=None) -> torch.Tensor:
+        """→ logits [r, vocab] of the sampled rows this rank samples (``executor.sampling_ranks``),
+        in sample order.
         ``before_layer(i)``: called before layer i runs (a live switch installs layer i's state)."""
         decoder, executor = self.model.model, self.executor
         with forward_context(batch):
@@ -31,4 +31,4 @@ class ModelRunner:
                     before_layer(i)
                 h = h + executor.forward(layer.self_attn, layer.input_layernorm(h), batch)
                 h = h + executor.feed_forward(layer.mlp, layer.post_attention_layernorm(h), batch)
-            return executor.sample_logits(h, batch, self.model.compute_logits, wanted=logits)  # [R, vocab] or None
+            return executor.sample_logits(h, batch, self.model.compute_logits)  # [r, vocab]

@@ -1,5 +1,7 @@
-"""The driver's per-step message stays O(B): it never grows with context length, a switch adds bytes
-not page tables, and every rank's scheduler replica agrees with the driver's (2 spawned ranks)."""
+"""The driver's per-step message is a few hundred bytes: it carries no tokens (every rank samples its
+share of the rows and one all-gather brings the rest), never grows with batch or context length, and a
+switch adds bytes, not page tables. Replicas that scheduled differently stop with an error naming
+both counts before any token is applied (2 spawned ranks)."""
 from __future__ import annotations
 
 import pytest
@@ -36,11 +38,33 @@ def decode_steps(ctx, batch: int, context: int, switch_to: str | None = None) ->
 def test_control_bytes_do_not_grow_with_context(group2):
     short = group2.run(decode_steps, 256, 64)[0]
     long = group2.run(decode_steps, 256, 8192, "dop")[0]
-    # step 0 carries no tokens yet; step 1 carries the 256 tokens of step 0; step 2 switches DP -> DOP
+    # steps 0 and 1 decode 256 requests; step 2 switches DP -> DOP
     print("control bytes per step, S=64:", [s["control_bytes"] for s in short],
           "S=8192:", [s["control_bytes"] for s in long])
     assert long[1]["requests"] == 256 and long[1]["rows"] == 256  # a real decode step of B = 256
-    assert long[1]["control_bytes"] <= 16 * 1024
+    assert long[1]["control_bytes"] <= 1024 and long[1]["control_bytes"] == long[0]["control_bytes"]  # no tokens
     assert long[1]["control_bytes"] == short[1]["control_bytes"]  # the same at 64 and 8,192 tokens of history
     assert long[2]["layout"] == "dop" and long[2]["control_bytes"] <= 64 * 1024  # the switching step
     assert long[2]["control_bytes"] - long[1]["control_bytes"] < 512  # a switch order is a few bytes
+
+
+def diverging_step(ctx) -> str | None:
+    """Every rank: one decode step of 8 requests, rank 1's replica with a smaller row budget."""
+    settings = EngineSettings(layout=Layout.DP, num_pages=64, page_size=PAGE, max_num_batched_tokens=8,
+                              max_num_seqs=8)
+    engine = Engine(MLAForCausalLM.from_config(CFG, seed=0).eval(), CFG, ctx.groups, settings)
+    admit_as_decoding(engine.scheduler, warm_requests(CFG, 8, 32))
+    if ctx.rank == 1:
+        engine.scheduler.max_num_batched_tokens = 7
+    try:
+        engine.serve([], max_steps=1)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_replicas_that_scheduled_differently_stop_with_both_counts(group2):
+    errors = group2.run(diverging_step)
+    assert "rank 0: scheduler replica diverged from rank 1's in step 0: it sampled 8 tokens over 8 rows, " \
+           "rank 1 7 over 7" in errors[0]
+    assert "rank 1: scheduler replica diverged from rank 0's" in errors[1]

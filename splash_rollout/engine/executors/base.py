@@ -12,10 +12,14 @@ never from the world size.
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 import torch
 
 from splash_rollout.engine.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from splash_rollout.engine.rank_state import RankState
 
 
 class AttentionExecutor(abc.ABC):
@@ -33,8 +37,33 @@ class AttentionExecutor(abc.ABC):
         """The layer's feed-forward block on the rows this rank carries: x [n, hidden] → [n, hidden]."""
         return mlp(x)
 
-    def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits, wanted: bool) -> torch.Tensor | None:
-        """Logits [R, vocab] of ``batch.sample_rows`` where ``wanted`` (the rank that samples), None
-        elsewhere. h: the last layer's output on the rows this rank carries; ``compute_logits``:
-        [k, hidden] -> [k, vocab]. Every rank calls it (a layout may split the rows and gather)."""
-        return compute_logits(h.index_select(0, batch.sample_rows)) if wanted else None
+    rank = 0
+    """This rank's index in its layout (the single-rank executor: 0)."""
+
+    def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
+        """[R] int64: the rank that computes the logits of each of ``batch.sample_rows`` and samples
+        it. One rank here: all of them."""
+        return torch.zeros(batch.sample_rows.shape[0], dtype=torch.int64, device=batch.sample_rows.device)
+
+    def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits) -> torch.Tensor:
+        """Logits [r, vocab] of the sampled rows ``sampling_ranks`` gives this rank, in sample order.
+        h: the last layer's output on the rows this rank carries (``local_rows``; here every row);
+        ``compute_logits``: [k, hidden] -> [k, vocab]."""
+        mine = batch.sample_rows[self.sampling_ranks(batch) == self.rank]
+        return compute_logits(h.index_select(0, mine))
+
+
+class ReplicatedRowsExecutor(AttentionExecutor):
+    """A layout whose ranks all carry every row between blocks (TP, DOP, CP): the sampled rows are
+    dealt in T contiguous, nearly equal blocks, so the LM head and the sampler split over the ranks
+    like the attention does. Subclasses hold their rank state in ``self.s``."""
+
+    s: "RankState"
+
+    @property
+    def rank(self) -> int:
+        return self.s.view.rank
+
+    def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
+        r, t = batch.sample_rows.shape[0], self.s.view.world_size
+        return torch.arange(r, device=batch.sample_rows.device) * t // max(r, 1)  # [R]: 0..0, 1..1, ...

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.executors.base import AttentionExecutor
+from splash_rollout.engine.executors.base import ReplicatedRowsExecutor
 from splash_rollout.engine.executors.single import DSA_SCRATCH_KEY, index_scores, shared_selection
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.models.attention_math import indexer_select, merge_partial_attention
 
 
-class CPExecutor(AttentionExecutor):
+class CPExecutor(ReplicatedRowsExecutor):
     def __init__(self, rank_state) -> None:
         self.s = rank_state
 

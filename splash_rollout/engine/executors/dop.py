@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.executors.base import AttentionExecutor
+from splash_rollout.engine.executors.base import ReplicatedRowsExecutor
 from splash_rollout.engine.executors.dp import rows_by_owner
 from splash_rollout.engine.executors.single import dsa_select
 from splash_rollout.engine.forward_batch import ForwardBatch
 
 
-class DOPExecutor(AttentionExecutor):
+class DOPExecutor(ReplicatedRowsExecutor):
     def __init__(self, rank_state) -> None:
         self.s = rank_state
 

@@ -3,7 +3,7 @@ histories, and carries only those rows between blocks. The feed-forward block, w
 sharded over the ranks, all-gathers its input rows, runs this rank's shard on every row and
 reduce-scatters the partial sums back to the owners (half the bytes of an all-reduce, and the
 norms and residual adds run once per row, not once per rank). Each rank computes the logits of its
-own sampled rows; the rank that samples gathers them."""
+own sampled rows and samples them."""
 from __future__ import annotations
 
 import torch
@@ -49,18 +49,19 @@ class DPExecutor(AttentionExecutor):
         partial = mlp.shard(every)  # [N, hidden], batch order; float64 under reproducible numerics
         return comm.reduce_scatter_uneven(partial[order], counts, tag="step/mlp").to(x.dtype)
 
-    def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits, wanted: bool) -> torch.Tensor | None:
-        """Each rank computes the logits of its own sampled rows; the sampling rank gathers them in
-        sample order (the LM head's work is split like the attention's)."""
-        s = self.s
-        owners = batch.row_owners.index_select(0, batch.sample_rows)  # [R]
-        mine = batch.sample_rows[owners == s.view.rank]  # batch rows, ascending
+    @property
+    def rank(self) -> int:
+        return self.s.view.rank
+
+    def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
+        """Each sampled row's owner: a rank samples the rows it carries (the LM head and the sampler
+        split like the attention)."""
+        return batch.row_owners.index_select(0, batch.sample_rows)  # [R]
+
+    def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits) -> torch.Tensor:
+        mine = batch.sample_rows[self.sampling_ranks(batch) == self.rank]  # batch rows, ascending
         local = torch.searchsorted(self.local_rows(batch), mine)  # their places among this rank's rows
-        order = torch.argsort(owners, stable=True)
-        counts = torch.bincount(owners, minlength=s.view.world_size).tolist()
-        logits = compute_logits(h.index_select(0, local))  # [r, vocab]
-        gathered = s.comm.all_gather_uneven(logits, counts, tag="step/logits")  # [R, vocab] owner order
-        return to_batch_order(gathered, order) if wanted else None
+        return compute_logits(h.index_select(0, local))  # [r, vocab]
 
 
 def to_batch_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.executors.base import AttentionExecutor
+from splash_rollout.engine.executors.base import ReplicatedRowsExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
 
 
-class TPExecutor(AttentionExecutor):
+class TPExecutor(ReplicatedRowsExecutor):
     def __init__(self, rank_state) -> None:
         self.s = rank_state
 
