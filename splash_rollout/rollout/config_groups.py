@@ -197,6 +197,11 @@ class ComputeOptions:
     """On CPU, flush float denormals to zero (process-wide ``torch.set_flush_denormal``). Softmax tails
     of long histories are denormal and make CPU matmuls ~7x slower; the numerical effect is below
     1e-38. Set False to leave the process flag alone."""
+    retain_heap: bool = True
+    """On CPU with glibc malloc, keep freed large blocks in the process's heap (mmap threshold 32 MiB,
+    trim threshold 1 GiB, top pad 256 MiB; process-wide) so each step's large temporaries reuse warm
+    pages instead of fresh ones the kernel faults in and zeroes: 1.10-1.22x tokens/s measured on a
+    wide batch. The heap then holds up to 1 GiB it no longer uses. Set False to leave malloc alone."""
 
     def __post_init__(self) -> None:
         from splash_rollout.engine.attention import available_backends
@@ -208,7 +213,7 @@ class ComputeOptions:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
-        for name in ("cpu_share", "flush_denormal"):
+        for name in ("cpu_share", "flush_denormal", "retain_heap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 

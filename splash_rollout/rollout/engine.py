@@ -47,10 +47,10 @@ class RolloutEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         from splash_rollout.distributed.groups import ProcessGroups, groups_in_process, initialized_world_size
+        from splash_rollout.rollout.process_settings import apply_cpu_process_settings
 
         self.config = config
-        if config.compute.flush_denormal and torch.device(config.parallel.device).type == "cpu":
-            torch.set_flush_denormal(True)
+        apply_cpu_process_settings(config.compute, config.parallel.device)
         # process-wide while the engine lives: a trainer in this process computes like the engine
         self._numerics_before = numerics_mode()
         set_numerics(config.compute.numerics)

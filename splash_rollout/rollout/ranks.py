@@ -28,6 +28,7 @@ from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
 from splash_rollout.models.numerics import set_numerics
+from splash_rollout.rollout.process_settings import apply_cpu_process_settings
 from splash_rollout.rollout.validation import agree_across_ranks
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -237,8 +238,7 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
     """This rank's Engine for an EngineConfig (collective: every rank calls it)."""
     import dataclasses
 
-    if config.compute.flush_denormal and str(config.parallel.device).startswith("cpu"):
-        torch.set_flush_denormal(True)
+    apply_cpu_process_settings(config.compute, "cpu" if str(config.parallel.device).startswith("cpu") else "cuda")
     set_numerics(config.compute.numerics)
     model_config = resolve_model(config.model.source)
     settings = engine_settings(config, model_config, groups.world_size)

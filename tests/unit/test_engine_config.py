@@ -50,6 +50,7 @@ def test_flat_names_land_in_their_groups_and_match_the_grouped_form():
     ({"worldsize": 2}, TypeError, r"unknown option\(s\) \['worldsize'\]"),
     ({"attention_backend": "flashmla"}, ValueError, r"FlashMLA reads bfloat16 pages of 64 tokens"),
     ({"max_queued_requests": True}, ValueError, r"batching\.max_queued_requests: expected an integer"),
+    ({"compute": {"retain_heap": "yes"}}, ValueError, r"compute\.retain_heap: expected True or False"),
 ])
 def test_bad_options_are_refused_naming_the_group_and_field(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -79,3 +80,12 @@ def test_the_recipe_engine_group_reaches_every_group(monkeypatch):
     assert config.pricing.online_correction is False and config.compute.cpu_share is False
     assert config.outputs.progress is False and config.compute.numerics == "reproducible"
     assert config.model.seed == cfg.seed and Layout.parse(config.parallel.layout) is Layout.DP
+
+
+def test_the_heap_settings_are_taken_by_this_machines_malloc():
+    """CI and the project's machines run glibc: every mallopt setting of ``retain_heap`` is accepted
+    (a value glibc refuses -- an mmap threshold above its 32 MiB cap -- would make it False)."""
+    from splash_rollout.rollout.process_settings import HEAP_SETTINGS, retain_heap
+
+    assert retain_heap()
+    assert dict(HEAP_SETTINGS)[-3] <= 32 << 20
