@@ -37,8 +37,9 @@ def retain_heap() -> bool:
 
 
 def apply_cpu_process_settings(compute, device) -> None:
-    """Apply ``compute``'s process-wide options (a ``ComputeOptions``) when ``device`` is the CPU."""
-    if torch.device(device).type != "cpu":
+    """Apply ``compute``'s process-wide options (a ``ComputeOptions``) when ``device`` ("cpu", "cuda",
+    "cuda:1", ...) is the CPU."""
+    if not str(device).startswith("cpu"):
         return
     if compute.flush_denormal:
         torch.set_flush_denormal(True)

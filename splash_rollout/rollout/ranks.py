@@ -238,7 +238,7 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
     """This rank's Engine for an EngineConfig (collective: every rank calls it)."""
     import dataclasses
 
-    apply_cpu_process_settings(config.compute, "cpu" if str(config.parallel.device).startswith("cpu") else "cuda")
+    apply_cpu_process_settings(config.compute, config.parallel.device)
     set_numerics(config.compute.numerics)
     model_config = resolve_model(config.model.source)
     settings = engine_settings(config, model_config, groups.world_size)

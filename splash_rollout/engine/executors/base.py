@@ -47,22 +47,31 @@ class AttentionExecutor(abc.ABC):
 
     def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits) -> torch.Tensor:
         """Logits [r, vocab] of the sampled rows ``sampling_ranks`` gives this rank, in sample order.
-        h: the last layer's output on the rows this rank carries (``local_rows``; here every row);
-        ``compute_logits``: [k, hidden] -> [k, vocab]."""
-        mine = batch.sample_rows[self.sampling_ranks(batch) == self.rank]
+        h: the last layer's output on the rows this rank carries (``local_rows``); ``compute_logits``:
+        [k, hidden] -> [k, vocab]."""
+        mine = batch.sample_rows[self.sampling_ranks(batch) == self.rank]  # batch rows, ascending
+        carried = self.local_rows(batch)
+        if carried is not None:  # h holds only this rank's rows: their places among them
+            mine = torch.searchsorted(carried, mine)
         return compute_logits(h.index_select(0, mine))
 
 
-class ReplicatedRowsExecutor(AttentionExecutor):
-    """A layout whose ranks all carry every row between blocks (TP, DOP, CP): the sampled rows are
-    dealt in T contiguous, nearly equal blocks, so the LM head and the sampler split over the ranks
-    like the attention does. Subclasses hold their rank state in ``self.s``."""
+class RankExecutor(AttentionExecutor):
+    """An executor of one rank of a T-rank layout: it reads its rank's state (``RankState``: the
+    rank view, pool, backend, projection shards, collectives)."""
 
-    s: "RankState"
+    def __init__(self, rank_state: "RankState") -> None:
+        self.s = rank_state
 
     @property
     def rank(self) -> int:
         return self.s.view.rank
+
+
+class ReplicatedRowsExecutor(RankExecutor):
+    """A layout whose ranks all carry every row between blocks (TP, DOP, CP): the sampled rows are
+    dealt in T contiguous, nearly equal blocks, so the LM head and the sampler split over the ranks
+    like the attention does."""
 
     def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
         r, t = batch.sample_rows.shape[0], self.s.view.world_size

@@ -20,9 +20,6 @@ from splash_rollout.models.attention_math import indexer_select, merge_partial_a
 
 
 class CPExecutor(ReplicatedRowsExecutor):
-    def __init__(self, rank_state) -> None:
-        self.s = rank_state
-
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, layer = self.s, attn.layer_idx
         shard = s.shards[layer]  # all heads

@@ -16,9 +16,6 @@ from splash_rollout.engine.forward_batch import ForwardBatch
 
 
 class DOPExecutor(ReplicatedRowsExecutor):
-    def __init__(self, rank_state) -> None:
-        self.s = rank_state
-
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, layer = self.s, attn.layer_idx
         t, rank = s.view.world_size, s.view.rank

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.executors.base import AttentionExecutor
+from splash_rollout.engine.executors.base import RankExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.parallel_mlp import ParallelFeedForward
@@ -26,10 +26,7 @@ def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, l
     return batch.scratch[key]
 
 
-class DPExecutor(AttentionExecutor):
-    def __init__(self, rank_state) -> None:
-        self.s = rank_state
-
+class DPExecutor(RankExecutor):
     def local_rows(self, batch: ForwardBatch) -> torch.Tensor:
         return batch.owned_by(self.s.view.rank)[1]
 
@@ -49,19 +46,10 @@ class DPExecutor(AttentionExecutor):
         partial = mlp.shard(every)  # [N, hidden], batch order; float64 under reproducible numerics
         return comm.reduce_scatter_uneven(partial[order], counts, tag="step/mlp").to(x.dtype)
 
-    @property
-    def rank(self) -> int:
-        return self.s.view.rank
-
     def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
         """Each sampled row's owner: a rank samples the rows it carries (the LM head and the sampler
         split like the attention)."""
         return batch.row_owners.index_select(0, batch.sample_rows)  # [R]
-
-    def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits) -> torch.Tensor:
-        mine = batch.sample_rows[self.sampling_ranks(batch) == self.rank]  # batch rows, ascending
-        local = torch.searchsorted(self.local_rows(batch), mine)  # their places among this rank's rows
-        return compute_logits(h.index_select(0, local))  # [r, vocab]
 
 
 def to_batch_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

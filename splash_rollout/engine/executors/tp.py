@@ -10,9 +10,6 @@ from splash_rollout.engine.forward_batch import ForwardBatch
 
 
 class TPExecutor(ReplicatedRowsExecutor):
-    def __init__(self, rank_state) -> None:
-        self.s = rank_state
-
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = self.s
         partial = attend_local(attn, s.shards[attn.layer_idx], s.pool, s.backend, x, batch)  # [N, hidden]
