@@ -148,7 +148,7 @@ inline void dot_segment(const Acc* const* q, int qn, const KT* const* keys, int 
       V kv[KB];
       for (int k = 0; k < KB; ++k) kv[k] = load<Acc, KT>(keys[k] + off + d);
       if (ahead)  // the same line of the keys a few tiles on: a key is 36 lines, too short a stream
-        for (int k = 0; k < KB; ++k) __builtin_prefetch(ahead[k] + off + d);  // for the hardware prefetcher
+        for (int k = 0; k < KB; ++k) prefetch_l2(ahead[k] + off + d);  // for the hardware prefetcher
       for (int j = 0; j < QB; ++j) {
         V qv = load<Acc, Acc>(q[j] + d);
         in_register(qv);

@@ -65,7 +65,7 @@ inline void nk_tile(const float* x, int64_t xs, const T* w, int64_t ws, int64_t 
   for (; kk + W <= k; kk += W) {
     f16v wv[NR];
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + (j + NR) * ws + kk);  // the next tile's rows: a weight row is a short stream
+      prefetch_l2(w + (j + NR) * ws + kk);  // the next tile's rows: a weight row is a short stream
       wv[j] = load<T>(w + j * ws + kk);
       in_register(wv[j]);
     }
@@ -133,7 +133,7 @@ inline void nk_tile_bf16(const bf16* x, int64_t xs, const bf16* w, int64_t ws, i
   for (; kk + 2 * W <= k; kk += 2 * W) {
     __m512i wv[NR];
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + (j + NR) * ws + kk);  // the next tile's rows: a weight row is a short stream
+      prefetch_l2(w + (j + NR) * ws + kk);  // the next tile's rows: a weight row is a short stream
       wv[j] = _mm512_loadu_si512(w + j * ws + kk);
       asm("" : "+v"(wv[j]));
     }
