@@ -28,6 +28,8 @@ from typing import Iterable
 
 import torch
 
+from splash_rollout.models.packed_linear import PACKED
+
 
 def unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
     """The distinct storages under ``tensors`` (views of one storage counted once)."""
@@ -144,9 +146,11 @@ def weight_tensors(model: torch.nn.Module, shards: Iterable) -> list[torch.Tenso
 
 
 def release_memory(pool, model: torch.nn.Module, shards: Iterable) -> TensorOffload:
-    """Sleep, on one rank: free the KV pool's tensors and move every weight storage out; returns the
-    offload ``restore_memory`` brings back."""
+    """Sleep, on one rank: free the KV pool's tensors, drop the packed copies of weights (made again
+    at their next large product) and move every weight storage out; returns the offload
+    ``restore_memory`` brings back."""
     pool.release()
+    PACKED.clear()
     offload = TensorOffload(weight_tensors(model, shards))
     offload.release()
     return offload

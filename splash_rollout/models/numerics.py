@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splash_rollout.models.packed_linear import packed_linear
 from splash_rollout.native.small_matmul import MAX_ROWS, small_matmul
 
 NUMERICS_MODES = ("fast", "reproducible")
@@ -76,13 +77,12 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
     """F.linear; in reproducible mode accumulated in float64. The result has ``weight``'s dtype, or
     stays float64 with ``keep`` (a partial sum that a collective or a later sum completes).
-    In fast mode a CPU product of a few rows takes the weight-streaming native kernel."""
+    In fast mode a CPU product of a few rows takes the weight-streaming native kernel, and a float32
+    product of a prefill chunk's rows oneDNN over the weight packed once (``packed_linear``)."""
     if _accumulate is None:
-        if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-            y = small_matmul(x, weight, bias)
-            if y is not None:
-                return y
-        return F.linear(x, weight, bias)
+        few = x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        y = small_matmul(x, weight, bias) if few else packed_linear(x, weight, bias)
+        return F.linear(x, weight, bias) if y is None else y
     y = F.linear(x.to(_accumulate), weight.to(_accumulate), None if bias is None else bias.to(_accumulate))
     return y if keep else y.to(weight.dtype)
 

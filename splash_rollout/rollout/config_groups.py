@@ -202,6 +202,12 @@ class ComputeOptions:
     trim threshold 1 GiB, top pad 256 MiB; process-wide) so each step's large temporaries reuse warm
     pages instead of fresh ones the kernel faults in and zeroes: 1.10-1.22x tokens/s measured on a
     wide batch. The heap then holds up to 1 GiB it no longer uses. Set False to leave malloc alone."""
+    pack_weights: bool = True
+    """On CPU with fast numerics: float32 products of at least 512 rows (prefill chunks) go to oneDNN
+    over a copy of the weight packed once for it, instead of MKL re-packing it every call: 1.08x a
+    float32 prefill step measured. Costs one more copy of each weight that meets such a product (the
+    attention projections and dense FFNs; not routed experts, whose share of a chunk is smaller).
+    Process-wide (models/packed_linear.py). Set False to keep torch's path and no copies."""
 
     def __post_init__(self) -> None:
         from splash_rollout.engine.attention import available_backends
@@ -213,7 +219,7 @@ class ComputeOptions:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
-        for name in ("cpu_share", "flush_denormal", "retain_heap"):
+        for name in ("cpu_share", "flush_denormal", "retain_heap", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 

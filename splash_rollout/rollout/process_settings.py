@@ -11,12 +11,16 @@ places apply the same ``compute`` options the same way.
   256 MiB keeps freed blocks in the heap for the next step. Measured on the wide workload of
   ``benchmarks/peer_engines.py`` (T = 1, float32, glibc malloc): 1.10-1.22x tokens/s in alternated
   rounds. Not glibc (musl, macOS) or an allocator preloaded in its place (tcmalloc): nothing to do.
+* ``pack_weights``: large float32 products through oneDNN over weights packed once
+  (``models/packed_linear.py``).
 """
 from __future__ import annotations
 
 import ctypes
 
 import torch
+
+from splash_rollout.models.packed_linear import set_packed_weights
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 """glibc's mallopt parameters (malloc.h)."""
@@ -45,3 +49,4 @@ def apply_cpu_process_settings(compute, device) -> None:
         torch.set_flush_denormal(True)
     if compute.retain_heap:
         retain_heap()
+    set_packed_weights(compute.pack_weights)

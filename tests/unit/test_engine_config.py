@@ -51,6 +51,7 @@ def test_flat_names_land_in_their_groups_and_match_the_grouped_form():
     ({"attention_backend": "flashmla"}, ValueError, r"FlashMLA reads bfloat16 pages of 64 tokens"),
     ({"max_queued_requests": True}, ValueError, r"batching\.max_queued_requests: expected an integer"),
     ({"compute": {"retain_heap": "yes"}}, ValueError, r"compute\.retain_heap: expected True or False"),
+    ({"compute": {"pack_weights": 1}}, ValueError, r"compute\.pack_weights: expected True or False"),
 ])
 def test_bad_options_are_refused_naming_the_group_and_field(kwargs, error, match):
     with pytest.raises(error, match=match):
