@@ -241,15 +241,18 @@ PRESETS: dict[str, HardwareProfile] = {
     "b200": _nvlink_gpu("b200", 183_359, 0.85, 2250.0, 4500.0, 8.0, 1800.0),
     # The CPU engine (its native ``cpu`` attention backend, shared-memory collectives) on two ranks of
     # a 2-core AVX-512 machine, as ``python -m splash_rollout.calibrate --world-size 2`` measured it:
-    # rates from the microbenchmarks, the rest fitted to 64 engine steps (median error 9.1 %, max 37 %).
+    # rates from the microbenchmarks, the rest fitted to the 128 steps (prefill and decode) of a
+    # 64-point grid, median error 11.3 %, max 36 % (the preset before this one, fitted to the engine
+    # before L2 prefetch, oneDNN-packed prefill and every rank sampling its own rows, was off by 24 %
+    # median on the same grid: the steps had become ~1.28x faster).
     # Recalibrate on other CPUs; ``EngineConfig(pricing={"profile": <yaml>})`` takes the result.
     "cpu": HardwareProfile(
-        name="cpu", world_size=2, memory_bytes=1 * GiB, mem_fraction=1.0, matmul_flops=81.6e9,
-        attention_flops=43.4e9, weight_read_Bps=22.7e9, kv_read_Bps=22.7e9,
-        all_gather=CollectiveCost(0.160e-3, 54.1e6), all_to_all=CollectiveCost(0.280e-3, 479e6),
-        all_reduce=CollectiveCost(0.136e-3, 68.4e6), step_overhead_s=0.277e-3, layer_overhead_s=1.83e-3,
-        engine="cpu", request_layer_s=0.0, request_step_s=0.162e-3, score_element_s=8.14e-9,
-        expert_call_s=85.7e-6),
+        name="cpu", world_size=2, memory_bytes=1 * GiB, mem_fraction=1.0, matmul_flops=76.8e9,
+        attention_flops=45.0e9, weight_read_Bps=16.0e9, kv_read_Bps=16.0e9,
+        all_gather=CollectiveCost(0.166e-3, 100e6), all_to_all=CollectiveCost(0.308e-3, 513e6),
+        all_reduce=CollectiveCost(9.12e-6, 84.1e6), step_overhead_s=3.18e-3, layer_overhead_s=0.700e-3,
+        engine="cpu", request_layer_s=1.55e-6, request_step_s=0.169e-3, score_element_s=6.34e-9,
+        expert_call_s=0.0),
     # The same machine running the reference ``torch`` attention backend over gloo (the engine before
     # its native kernels): fitted to 128 engine steps (median error 7.8 %; held-out grid 10.7 %).
     "cpu-torch": HardwareProfile(
