@@ -97,8 +97,9 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             y = small_matmul(x.transpose(0, 1), weight.transpose(1, 2))  # [H, N, M]
             if y is not None:
                 return y.transpose(0, 1)
-        # one batched product over heads, the result stored head-major: 1.4x (W_UK) and 1.15x (W_UV)
-        # the einsum's speed at 256 rows x 8 heads float32, the same values
+        # one batched product over heads, the result stored head-major: the same values as the einsum,
+        # 1.4x (W_UK) / 1.15x (W_UV) its speed alone at 256 rows x 8 heads float32, but within 1 % on
+        # a whole decode step (in-process A/B)
         return torch.bmm(x.transpose(0, 1), weight).transpose(0, 1)
     return einsum("nhk,hkm->nhm", x, weight)
 
