@@ -138,11 +138,12 @@ def finish(run: GRPORun) -> dict[str, Any]:
         history = truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), lambda r: True)
         write_timeline_json(os.path.join(run_dir, "timeline.json"), timelines)
         png = plot_timeline(os.path.join(run_dir, "timeline.png"), timelines)
-        last = run.step_offset + steps - 1
-        sink.log_table("timeline/phases", TABLE_COLUMNS, [r for s_, t in timelines for r in table_rows(s_, t)], last)
-        sink.log_image("timeline/plot", png, last)
+        # at the step the final eval went to (W&B drops anything logged at a step below its latest)
+        at = run.step_offset + steps
+        sink.log_table("timeline/phases", TABLE_COLUMNS, [r for s_, t in timelines for r in table_rows(s_, t)], at)
+        sink.log_image("timeline/plot", png, at)
         sink.log_image("reward/plot", plot_reward(os.path.join(run_dir, "reward.png"), history, run.ma_window, paired),
-                       last)
+                       at)
         summary.update(**reward_summary([h for h in history if "reward/mean" in h], run.cfg.grpo.summary_window),
                        **eval_summary(history), **run.data.metrics(), total_s=time.perf_counter() - run.t_start)
         if paired:
