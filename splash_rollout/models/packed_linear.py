@@ -35,27 +35,35 @@ def _onednn_linear_available() -> bool:
         return False
 
 
+ONEDNN_LINEAR = _onednn_linear_available()
+"""Whether this torch build has oneDNN's packed linear (the path is off without it)."""
+
+
 class PackedWeights:
     """oneDNN-packed copies of CPU weights, one per live weight tensor (weakly held)."""
 
     def __init__(self) -> None:
-        self.enabled = _onednn_linear_available()
-        self._packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+        self.enabled = ONEDNN_LINEAR
+        self._packed: dict[int, tuple[weakref.finalize, int, int, torch.Tensor]] = {}
+        """id(weight) -> (its finalizer, data_ptr and version when packed, the packed copy)."""
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight`` [N, K], made or remade as its storage and version require."""
         key = id(weight)
         entry = self._packed.get(key)
         stamp = (weight.data_ptr(), weight._version)
-        if entry is not None and entry[0]() is weight and entry[1:3] == stamp:
+        if entry is not None and entry[1:3] == stamp:
             return entry[3]
+        # one finalizer per entry, kept while the entry is remade: the entry goes with the weight, so
+        # an id in the table always names the live weight it was made for
+        gone = entry[0] if entry is not None else weakref.finalize(weight, self._packed.pop, key, None)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        if entry is None:  # the entry goes with the weight
-            weakref.finalize(weight, self._packed.pop, key, None)
-        self._packed[key] = (weakref.ref(weight), *stamp, packed)
+        self._packed[key] = (gone, *stamp, packed)
         return packed
 
     def clear(self) -> None:
+        for gone, *_ in self._packed.values():
+            gone.detach()  # the weights live on; their finalizers would only pop what is gone
         self._packed.clear()
 
     def __len__(self) -> int:
@@ -68,7 +76,7 @@ PACKED = PackedWeights()
 def set_packed_weights(enabled: bool) -> None:
     """Process-wide: take the packed path where it applies (default, where oneDNN is present) or not
     (packed copies are dropped)."""
-    PACKED.enabled = bool(enabled) and _onednn_linear_available()
+    PACKED.enabled = bool(enabled) and ONEDNN_LINEAR
     if not PACKED.enabled:
         PACKED.clear()
 
