@@ -1,0 +1,98 @@
+"""Where a GPU decode step's time goes: the engine's step split and torch.profiler's view of a few steps.
+
+device_check.sh showed the engine's decode step on an H200 at 22-30x the HBM bound and flat in the
+batch size, i.e. bound by the host. This script says by what: the mean decode step split (control,
+schedule, batch, forward, sample) over 23 greedy steps at B = 64 (speculation off) on device_check's
+throughput model, and torch.profiler over 8 more tokens: kernel launches, aten ops, host syncs
+(``aten::item``, ``cudaStreamSynchronize``) and GPU time against CPU time. Writes
+``host_profile.json`` and ``host_profile_ops.txt`` (the top ops by self CPU time) under ``--out``.
+
+    python scripts/gpu_host_profile.py --out "$OUT"                 # on the GPU machine
+    python scripts/gpu_host_profile.py --cpu --tiny --out /tmp/hp   # a check of the script on a CPU
+"""
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import device_check as dc  # noqa: E402 -- beside this file
+
+STEPS_TOKENS = 24
+"""Greedy tokens of the timed call whose decode steps are split."""
+PROFILED_TOKENS = 8
+"""Tokens of the profiled call (one prefill step, the rest decode)."""
+
+
+def decode_split(steps: list[dict]) -> dict:
+    """Mean decode step, ms, and its phases (the step log's ``split_s``)."""
+    decode = [s for s in steps if not s["prefill_rows"]]
+    split: dict[str, float] = {}
+    for s in decode:
+        for phase, seconds in s["split_s"].items():
+            split[phase] = split.get(phase, 0.0) + 1e3 * seconds / len(decode)
+    return {"decode_steps": len(decode), "mean_step_ms": 1e3 * sum(s["seconds"] for s in decode) / len(decode),
+            "mean_split_ms": split}
+
+
+def main(argv=None) -> int:
+    args = dc.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    ctx = dc.Ctx(args)
+    torch = ctx.torch
+    import splash_rollout.rollout.engine as rollout_engine
+    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    captured: list[list[dict]] = []
+    build_timeline = rollout_engine.build_timeline
+
+    def keep_steps(steps, *rest, **kw):  # the call's step log, which RolloutBatch does not carry
+        captured.append(steps)
+        return build_timeline(steps, *rest, **kw)
+
+    rollout_engine.build_timeline = keep_steps
+    config = dc.throughput_model(ctx)
+    batch = 4 if ctx.tiny else 64
+    backend = "torch" if args.cpu else "triton"
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, config.vocab_size, (16,), generator=g).tolist() for _ in range(batch)]
+    res: dict = {"B": batch, "backend": backend}
+    with RolloutEngine(EngineConfig(model=config, device=ctx.device, dtype="bfloat16", attention_backend=backend,
+                                    page_size=64, max_num_seqs=batch, max_num_batched_tokens=4096,
+                                    num_pages=batch * 4 + 8, speculation="off")) as eng:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=STEPS_TOKENS, ignore_eos=True)
+        eng.generate(prompts, greedy)  # warm-up: kernel compiles
+        ctx.sync()
+        t0 = time.perf_counter()
+        eng.generate(prompts, greedy)
+        ctx.sync()
+        res["wall_s"] = time.perf_counter() - t0
+        res.update(decode_split(captured[-1]))
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if ctx.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=PROFILED_TOKENS, ignore_eos=True))
+            ctx.sync()
+    ops = prof.key_averages()
+    with open(os.path.join(args.out, "host_profile_ops.txt"), "w") as f:
+        f.write(ops.table(sort_by="self_cpu_time_total", row_limit=40))
+
+    def count(*names: str) -> int:
+        return sum(e.count for e in ops if e.key in names)
+
+    res.update(profiled_tokens=PROFILED_TOKENS,
+               kernel_launches_total=count("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"),
+               aten_ops_total=sum(e.count for e in ops if e.key.startswith("aten::")),
+               item_calls_total=count("aten::item"), stream_syncs_total=count("cudaStreamSynchronize"),
+               device_time_total_ms=sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e3,
+               cpu_time_total_ms=sum(e.self_cpu_time_total for e in ops) / 1e3)
+    with open(os.path.join(args.out, "host_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
