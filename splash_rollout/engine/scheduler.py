@@ -443,6 +443,7 @@ class Scheduler:
         Returns the finished."""
         finished = []
         k = 0
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one conversion, not two per row
         for s in scheduled:
             samples = s.samples
             if s.draft:
@@ -453,7 +454,7 @@ class Scheduler:
                 continue
             for req in (s.request, *s.forks):
                 req.num_computed_tokens = s.request.num_computed_tokens
-                req.append_token(int(tokens[k]), float(logprobs[k]))
+                req.append_token(tokens[k], logprobs[k])
                 k += 1
                 self.written += 1
                 if self.drafter is not None:
@@ -463,7 +464,7 @@ class Scheduler:
                     finished.append(req)
         return finished
 
-    def _verify(self, s: ScheduledSeq, tokens: torch.Tensor, logprobs: torch.Tensor, k: int,
+    def _verify(self, s: ScheduledSeq, tokens: list[int], logprobs: list[float], k: int,
                 finished: list[Request]) -> int:
         """A drafted decode: tokens[k : k + 1 + len(draft)] are what each row sampled. Keep the sampled
         tokens while each equals the draft it follows, and the first that differs (or the bonus one
@@ -473,8 +474,8 @@ class Scheduler:
         start = req.num_computed_tokens
         kept = accepted = 0
         for j in range(len(draft) + 1):
-            token = int(tokens[k + j])
-            req.append_token(token, float(logprobs[k + j]))
+            token = tokens[k + j]
+            req.append_token(token, logprobs[k + j])
             kept += 1
             matches = j < len(draft) and token == draft[j]
             accepted += matches
