@@ -443,18 +443,18 @@ class Scheduler:
         Returns the finished."""
         finished = []
         k = 0
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one conversion, not two per row
+        sampled, sampled_logprobs = tokens.tolist(), logprobs.tolist()  # one conversion, not two per row
         for s in scheduled:
             samples = s.samples
             if s.draft:
-                k = self._verify(s, tokens, logprobs, k, finished)
+                k = self._verify(s, sampled, sampled_logprobs, k, finished)
                 continue
             s.request.num_computed_tokens += s.num_new
             if not samples:
                 continue
             for req in (s.request, *s.forks):
                 req.num_computed_tokens = s.request.num_computed_tokens
-                req.append_token(tokens[k], logprobs[k])
+                req.append_token(sampled[k], sampled_logprobs[k])
                 k += 1
                 self.written += 1
                 if self.drafter is not None:
