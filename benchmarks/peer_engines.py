@@ -17,11 +17,14 @@ not timed.
   process and reach every engine through one JSON file. Temperature 1, ``ignore_eos``, sampling seed 1.
   ``--quick`` shrinks them all for a smoke run.
 * Arms (``--arms``): ``vllm`` (``LLM(..., max_num_seqs=256, enable_prefix_caching=False)``, run by
-  the vLLM venv's python), ``splash_t1`` (world_size 1) and ``splash_t2_dp`` (world_size 2,
-  DP-attention; each rank takes the engine's default os.cpu_count() // 2 threads). Each round runs
+  the vLLM venv's python), ``splash_t1`` (world_size 1), ``splash_t2_dp`` (world_size 2,
+  DP-attention; each rank takes the engine's default os.cpu_count() // 2 threads) and
+  ``splash_t2_dp_ffrep`` (the same with ``parallel.feed_forward="replicated"``: each rank holds the
+  whole MLP / MoE and runs it on its own rows, no per-layer collective). Each round runs
   every arm once, the order alternating (A,B,C then C,B,A, ...); per round: tokens/s, the timed
   call's wall, the 1-min load average before the run, the exit status. Medians per arm, the ratios
-  of medians (splash / vllm) and the round-by-round ratios.
+  of medians (splash / vllm, and each T=2 arm / the T=1 arm of its environment) and the
+  round-by-round ratios.
 * ``--splash-env``: ``same`` (default) runs this engine under vLLM's allocator and OpenMP
   (LD_PRELOAD tcmalloc + the venv's Intel libiomp5, OMP_NUM_THREADS); ``own`` under the plain
   environment (glibc malloc, the libgomp torch ships); ``both`` runs each splash arm twice per round.
@@ -84,8 +87,10 @@ QUICK_WORKLOADS = {
 }
 GREEDY = dict(prompts=8, prompt_len=32, new=16)
 QUICK_GREEDY = dict(prompts=4, prompt_len=16, new=8)
-ARMS = ("vllm", "splash_t1", "splash_t2_dp")
-SPLASH_ARMS = {"splash_t1": dict(world_size=1, layout="tp"), "splash_t2_dp": dict(world_size=2, layout="dp")}
+ARMS = ("vllm", "splash_t1", "splash_t2_dp", "splash_t2_dp_ffrep")
+SPLASH_ARMS = {"splash_t1": dict(world_size=1, layout="tp", feed_forward="sharded"),
+               "splash_t2_dp": dict(world_size=2, layout="dp", feed_forward="sharded"),
+               "splash_t2_dp_ffrep": dict(world_size=2, layout="dp", feed_forward="replicated")}
 CHECKPOINT_CONFIG = dict(
     vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -154,7 +159,7 @@ def child_splash(spec: dict) -> dict:
     engine = RolloutEngine(EngineConfig(
         model=spec["checkpoint"], dtype=spec["dtype"], num_pages=spec["num_pages"], page_size=spec["page_size"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], max_num_seqs=256,
-        world_size=spec["world_size"], layout=spec["layout"]))
+        world_size=spec["world_size"], layout=spec["layout"], feed_forward=spec["feed_forward"]))
     startup_s = time.perf_counter() - t0
     out: dict = {"startup_s": startup_s, "torch_threads": torch.get_num_threads(), "pinned_cores": pinned,
                  "num_pages": spec["num_pages"]}
@@ -476,6 +481,9 @@ def markdown(out: dict) -> str:
                 txt = fmt(med)
                 if arm and ratio is not None:
                     txt += f" ({ratio:.2f}x vllm)"
+                vs_t1 = cell.get("ratios_vs_t1", {}).get(a, {}).get("of_medians")
+                if arm and vs_t1 is not None:
+                    txt += f" ({vs_t1:.2f}x T=1)"
                 if arm and arm["failed_rounds"]:
                     txt += f" [{arm['failed_rounds']} failed]"
                 row.append(txt)
@@ -507,19 +515,25 @@ def summarize_cell(cell: dict, arm_keys: list[str]) -> None:
         arm["median_wall_s"] = median([r["wall_s"] for r in ok])
         arm["ok_rounds"], arm["failed_rounds"] = len(ok), len(arm["rounds"]) - len(ok)
     vllm = cell["arms"].get("vllm")
-    cell["ratios_vs_vllm"] = {}
-    if vllm is None:
-        return
-    by_round_v = {r["round"]: r.get("tokens_per_s") for r in vllm["rounds"]}
+    cell["ratios_vs_vllm"] = {a: ratios(cell["arms"][a], vllm) for a in arm_keys
+                              if vllm is not None and a != "vllm" and a in cell["arms"]}
+    # each two-rank arm against the one-rank arm of its environment ("splash_t1[same]" for "...[same]")
+    cell["ratios_vs_t1"] = {}
     for a in arm_keys:
-        if a == "vllm" or a not in cell["arms"]:
-            continue
-        arm = cell["arms"][a]
-        of_medians = (arm["median_tokens_per_s"] / vllm["median_tokens_per_s"]
-                      if arm["median_tokens_per_s"] and vllm["median_tokens_per_s"] else None)
-        by_round = [(r["tokens_per_s"] / by_round_v[r["round"]]
-                     if r.get("tokens_per_s") and by_round_v.get(r["round"]) else None) for r in arm["rounds"]]
-        cell["ratios_vs_vllm"][a] = {"of_medians": of_medians, "by_round": by_round}
+        if a.startswith("splash_t2") and a in cell["arms"]:
+            t1 = cell["arms"].get("splash_t1" + a[a.index("["):] if "[" in a else "splash_t1")
+            if t1 is not None:
+                cell["ratios_vs_t1"][a] = ratios(cell["arms"][a], t1)
+
+
+def ratios(arm: dict, base: dict) -> dict:
+    """arm / base: of the medians, and round by round (the same round's runs)."""
+    of_medians = (arm["median_tokens_per_s"] / base["median_tokens_per_s"]
+                  if arm["median_tokens_per_s"] and base["median_tokens_per_s"] else None)
+    by_round_base = {r["round"]: r.get("tokens_per_s") for r in base["rounds"]}
+    by_round = [(r["tokens_per_s"] / by_round_base[r["round"]]
+                 if r.get("tokens_per_s") and by_round_base.get(r["round"]) else None) for r in arm["rounds"]]
+    return {"of_medians": of_medians, "by_round": by_round}
 
 
 def main(argv=None) -> dict:
@@ -625,8 +639,8 @@ def main(argv=None) -> dict:
                              "sampling": {"n": "<n>", "temperature": 1.0, "max_new_tokens": "<new>",
                                           "ignore_eos": True, "seed": 1}}
     notes = []
-    if "splash_t2_dp" in arms and (os.cpu_count() or 1) // 2 * 2 != args.threads:
-        notes.append(f"splash_t2_dp: its 2 ranks take os.cpu_count() // 2 = {(os.cpu_count() or 1) // 2} threads each "
+    if {"splash_t2_dp", "splash_t2_dp_ffrep"} & set(arms) and (os.cpu_count() or 1) // 2 * 2 != args.threads:
+        notes.append(f"splash_t2_dp*: its 2 ranks take os.cpu_count() // 2 = {(os.cpu_count() or 1) // 2} threads each "
                      f"(the engine's default), not --threads {args.threads} in all")
 
     work = args.work_dir or tempfile.mkdtemp(prefix="peer_engines_")
@@ -693,7 +707,7 @@ def main(argv=None) -> dict:
         return {"mode": mode, "checkpoint": ckpt, "dtype": dtype, "prompts_file": prompts_file, "n": n,
                 "new": shape["new"], "threads": args.threads, "num_pages": pages, "page_size": args.page_size,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "world_size": arm["world_size"],
-                "layout": arm["layout"]}
+                "layout": arm["layout"], "feed_forward": arm["feed_forward"]}
 
     def spec_for(key: str, dtype: str, shape: dict, prompts_file: str, mode: str) -> dict:
         arm = arm_defs[key]

@@ -44,7 +44,7 @@ from splash_rollout.engine.speculation_gate import SpeculationGate
 from splash_rollout.scheduling.cost_model import StepBatch
 from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
-from splash_rollout.engine.parallel_mlp import shard_feed_forward
+from splash_rollout.engine.parallel_mlp import feed_forward_bytes, placement_problem, shard_feed_forward
 from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.projections import drop_full_projections, slice_projections
 from splash_rollout.engine.rank_state import RankState
@@ -116,6 +116,9 @@ class EngineSettings:
     speculation: str = "off"
     """``always``: decoding requests verify drafts (engine/drafter.py); ``auto``: when rank 0's gate
     prices them faster (engine/speculation_gate.py); ``off``: one token a step."""
+    feed_forward: str = "sharded"
+    """MLP / MoE weights over T ranks: ``sharded`` (1/T each, a collective per block) or ``replicated``
+    (whole on every rank, each row computed on one rank; engine/parallel_mlp.py)."""
 
     @property
     def initial_pages(self) -> int:
@@ -166,8 +169,11 @@ class Engine:
         self.comm = Comm(groups.compute, rank, t, channel=groups.compute_channel)
         self.transfer = Comm(groups.transfer, rank, t, self.comm.counter)
         self.control = Comm(groups.control, rank, t, self.comm.counter, channel=groups.control_channel)
+        problem = placement_problem(settings.feed_forward, settings.return_routing, t)
+        if problem:
+            raise ValueError(problem)
         model.to(self.device)
-        if t > 1:
+        if t > 1 and settings.feed_forward == "sharded":
             shard_feed_forward(model, rank, t, self.comm)
         view = RankView(settings.layout, rank, t, config.num_heads)
         shards = [slice_projections(layer.self_attn, view.head_slice) for layer in model.model.layers]
@@ -560,8 +566,8 @@ class Engine:
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, read from the tensors: switchable projections, replicated attention
-        weights, KV pool."""
+        weights, KV pool, feed-forward weights (this rank's shards, or the whole blocks)."""
         replicated = sum(p.numel() * p.element_size() for layer in self.model.model.layers
                          for p in layer.self_attn.parameters())
         return {"switchable": sum(s.nbytes for s in self.state.shards), "replicated_attention": replicated,
-                "kv_pool": self.state.pool.nbytes}
+                "kv_pool": self.state.pool.nbytes, "feed_forward": feed_forward_bytes(self.model)}

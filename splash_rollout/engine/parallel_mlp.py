@@ -1,12 +1,24 @@
-"""The feed-forward blocks on T ranks, whatever the attention layout.
+"""The feed-forward blocks on T ranks, whatever the attention layout: two placements of their weights.
 
-Dense MLPs run tensor-parallel (gate/up rows and down columns split over ranks); routed experts are
-spread over ranks (rank r holds experts [r*E/T, (r+1)*E/T)) and the shared expert runs
-tensor-parallel. Every rank runs its shard on all rows and computes its partial sum; one all-reduce
-completes the block where hidden states are replicated between blocks (TP, DOP, CP), and under
-DP-attention the executor gathers the block's input rows and reduce-scatters the partials instead
-(``executors/dp.py``). ``shard_feed_forward`` replaces the
-model's full blocks by these so each rank holds only its share of the weights.
+``sharded`` (the default; the only one that fits a large MoE): dense MLPs run tensor-parallel
+(gate/up rows and down columns split over ranks); routed experts are spread over ranks (rank r holds
+experts [r*E/T, (r+1)*E/T)) and the shared expert runs tensor-parallel. Every rank runs its shard on
+all rows and computes its partial sum; one all-reduce completes the block where hidden states are
+replicated between blocks (TP, DOP, CP), and where each rank carries only its own rows
+(DP-attention) the block gathers its input rows and reduce-scatters the partials instead.
+``shard_feed_forward`` replaces the model's full blocks by these so each rank holds only its share
+of the weights.
+
+``replicated``: every rank keeps the whole block (T times the feed-forward bytes of the group). A
+DP-attention rank runs it on its own rows with no collective at all; where rows are replicated,
+rank r runs it on the r-th contiguous slice of them and one all-gather completes the block. Each row
+is computed whole on one rank, so its result is the single-rank result. This wins where the
+per-layer collectives cost more than the weight bytes (small models on a few CPU ranks: the waits
+of a DP rank on the rank its router sent more rows to); the blocks stay the model's own modules, so
+weight updates and routing names are the unsharded ones.
+
+The two ``on_*_rows`` functions are the one owner of that rule; the executors call them with the rows
+they carry.
 """
 from __future__ import annotations
 
@@ -15,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splash_rollout.layout.arith import div_even
+from splash_rollout.layout.footprint import FEED_FORWARD_PLACEMENTS
 from splash_rollout.models.moe import DenseMLP, MoE, run_experts
 from splash_rollout.models.numerics import linear
 
@@ -63,6 +76,50 @@ class ParallelFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(self.shard(x), tag="step/mlp").to(x.dtype)  # partials may be float64
+
+
+def placement_problem(feed_forward: str, return_routing: bool, world_size: int) -> str | None:
+    """Why a placement cannot serve these settings (None: it can)."""
+    if feed_forward not in FEED_FORWARD_PLACEMENTS:
+        return f"feed_forward: expected one of {FEED_FORWARD_PLACEMENTS}, got {feed_forward!r}"
+    if feed_forward == "replicated" and return_routing and world_size > 1:
+        return ("return_routing needs feed_forward='sharded' on more than one rank: the routing is recorded "
+                "on rank 0, and with replicated blocks each rank's router sees only the rows it computes")
+    return None
+
+
+def on_replicated_rows(mlp: nn.Module, x: torch.Tensor, comm) -> torch.Tensor:
+    """The block on rows every rank carries (TP, DOP, CP): x [N, hidden] -> [N, hidden], the same on
+    every rank."""
+    if isinstance(mlp, ParallelFeedForward) or comm.world_size == 1:
+        return mlp(x)  # sharded: partial sums and one all-reduce; one rank: the whole block here
+    counts = even_split(x.shape[0], comm.world_size)
+    a = sum(counts[:comm.rank])
+    mine = mlp(x[a:a + counts[comm.rank]])  # [N_r, hidden]: this rank's slice of the rows, computed whole
+    return comm.all_gather_uneven(mine, counts, tag="step/mlp")
+
+
+def on_owned_rows(mlp: nn.Module, x: torch.Tensor, comm, order: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The block on the rows this rank owns (DP-attention): x [n, hidden] -> [n, hidden]. order [N]
+    int64: the batch's rows grouped by owner rank; counts [T]: rows each rank owns."""
+    if not isinstance(mlp, ParallelFeedForward):  # replicated (or one rank): the whole block is here
+        return mlp(x)
+    every = comm.all_gather_uneven(x, counts, tag="step/mlp")  # [N, hidden], grouped by owner
+    batch_order = torch.empty_like(every)
+    batch_order[order] = every  # the shard's router and experts see rows in batch order
+    partial = mlp.shard(batch_order)  # [N, hidden]; float64 under reproducible numerics
+    return comm.reduce_scatter_uneven(partial[order], counts, tag="step/mlp").to(x.dtype)
+
+
+def even_split(n: int, world_size: int) -> list[int]:
+    """n rows in world_size contiguous blocks whose sizes differ by at most one (the larger first)."""
+    base, extra = divmod(n, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def feed_forward_bytes(model: nn.Module) -> int:
+    """Bytes of the feed-forward weights this rank holds (its shards, or the whole blocks)."""
+    return sum(p.numel() * p.element_size() for layer in model.model.layers for p in layer.mlp.parameters())
 
 
 def shard_feed_forward(model: nn.Module, rank: int, world_size: int, comm) -> None:

@@ -113,11 +113,20 @@ def footprints(sizes: AttentionBytes, world_size: int, budget: RankBudget,
     return {l: footprint(l, sizes, world_size, budget, page_size) for l in ALL_LAYOUTS}
 
 
-def other_weight_bytes_per_rank(config: ModelConfig, world_size: int, weight_dtype: str = "fp8") -> int:
+FEED_FORWARD_PLACEMENTS = ("sharded", "replicated")
+"""Where the MLP / MoE weights live over T ranks: 1/T on each, or whole on every rank."""
+
+
+def other_weight_bytes_per_rank(config: ModelConfig, world_size: int, weight_dtype: str = "fp8",
+                                feed_forward: str = "sharded") -> int:
     """Weights no attention layout moves, per rank: embeddings and lm_head split over the vocabulary,
-    dense MLP in TP, routed experts spread over ranks, shared experts in TP (all / T), plus the
-    replicated router and layer norms. Embeddings and lm_head stay bf16 in fp8 checkpoints."""
+    and the feed-forward blocks -- ``sharded``: dense MLP in TP, routed experts spread over ranks,
+    shared experts in TP (all / T); ``replicated``: all of them on every rank -- plus the replicated
+    router and layer norms. Embeddings and lm_head stay bf16 in fp8 checkpoints."""
+    if feed_forward not in FEED_FORWARD_PLACEMENTS:
+        raise ValueError(f"feed_forward: expected one of {FEED_FORWARD_PLACEMENTS}, got {feed_forward!r}")
     c, d = config, weight_dtype
+    ff_ranks = world_size if feed_forward == "sharded" else 1
     vocab_dtype = "bf16" if d == "fp8" else d
     total = matrix_bytes(c.vocab_size, c.hidden_size, vocab_dtype) * (1 if c.tie_word_embeddings else 2)
     per_rank = ceil_div(total, world_size)
@@ -126,8 +135,8 @@ def other_weight_bytes_per_rank(config: ModelConfig, world_size: int, weight_dty
         replicated += 2 * vector_bytes(c.hidden_size, d)
         if c.is_moe_layer(layer):
             expert = 3 * matrix_bytes(c.moe_intermediate_size, c.hidden_size, d)
-            per_rank += ceil_div(expert * (c.n_routed_experts + c.n_shared_experts), world_size)
+            per_rank += ceil_div(expert * (c.n_routed_experts + c.n_shared_experts), ff_ranks)
             replicated += c.n_routed_experts * c.hidden_size * 4 + c.n_routed_experts * 4  # fp32 router + bias
         else:
-            per_rank += ceil_div(3 * matrix_bytes(c.intermediate_size, c.hidden_size, d), world_size)
+            per_rank += ceil_div(3 * matrix_bytes(c.intermediate_size, c.hidden_size, d), ff_ranks)
     return per_rank + replicated

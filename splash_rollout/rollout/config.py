@@ -109,6 +109,11 @@ class EngineConfig:
 
     def _check_across_groups(self) -> None:
         compute = self.compute
+        from splash_rollout.engine.parallel_mlp import placement_problem
+
+        problem = placement_problem(self.parallel.feed_forward, self.outputs.return_routing, self.parallel.world_size)
+        if problem:
+            raise ValueError(f"parallel.feed_forward / outputs.return_routing: {problem}")
         if compute.attention_backend == "flashmla" and (self.memory.page_size != 64 or self.model.dtype != "bfloat16"):
             raise ValueError("compute.attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
                              f"memory.page_size={self.memory.page_size}, model.dtype={self.model.dtype!r}")

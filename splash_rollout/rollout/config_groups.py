@@ -67,14 +67,23 @@ class ParallelOptions:
     """Longest wait for any other rank (collectives, step plans); a dead rank becomes an error."""
     switch_schedule: dict | None = None
     """{step: layout}: switch at these engine steps (tests and benchmarks; the scheduler decides otherwise)."""
+    feed_forward: str = "sharded"
+    """Where the MLP / MoE weights live over the ranks, in every layout. ``sharded``: experts spread
+    and dense blocks split over the ranks (each holds 1/T); every layer's block ends in a collective.
+    ``replicated``: every rank holds the whole block (T times the bytes; only for models whose
+    feed-forward weights fit every rank) and runs it on its own rows: no per-layer collective under
+    DP-attention, one all-gather elsewhere. Not with ``outputs.return_routing`` (a rank's router then
+    sees only its rows)."""
 
     def __post_init__(self) -> None:
-        from splash_rollout.layout.layouts import Layout
+        from splash_rollout.layout import FEED_FORWARD_PLACEMENTS, Layout
 
         if not _is_int(self.world_size) or self.world_size < 1:
             raise ValueError(f"world_size: expected >= 1, got {self.world_size!r}")
         if str(self.layout).lower() != "auto":
             Layout.parse(self.layout, "layout")
+        if self.feed_forward not in FEED_FORWARD_PLACEMENTS:
+            raise ValueError(f"feed_forward: expected one of {FEED_FORWARD_PLACEMENTS}, got {self.feed_forward!r}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
         for step, name in (self.switch_schedule or {}).items():

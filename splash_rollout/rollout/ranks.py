@@ -223,7 +223,7 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           admission=AdmissionSettings(mode=memory.admission), prefix_sharing=memory.prefix_sharing,
                           return_routing=config.outputs.return_routing,
                           cpu_share=config.compute.cpu_share, driver=config.driver,
-                          speculation=config.compute.speculation)
+                          speculation=config.compute.speculation, feed_forward=config.parallel.feed_forward)
 
 
 def rank_device(config, rank: int) -> str:
@@ -266,7 +266,8 @@ def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes
     from splash_rollout.scheduling.profile import load_profile
 
     profile = dataclasses.replace(load_profile(config.pricing.profile), world_size=world_size,
-                                  memory_bytes=budget_bytes, mem_fraction=1.0)
+                                  memory_bytes=budget_bytes, mem_fraction=1.0,
+                                  feed_forward=config.parallel.feed_forward)
     sizes = sizes_for(model_config, dtype)
     fps = footprints(sizes, world_size, RankBudget(budget_bytes), config.memory.page_size)
     return LayoutPolicy(Deployment(model_config, profile, sizes, fps, config.memory.page_size, sizes.weight_dtype,

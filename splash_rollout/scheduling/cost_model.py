@@ -326,13 +326,21 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     # collective below). The published engines' profiles keep the all-reduce they were fitted with.
     mlp_comm = (p.all_reduce.time(n * hd * ACT * (t - 1) / t) if layout is Layout.DP and t > 1 and ref
                 else ar_hidden)
+    # replicated feed-forward weights: each row is computed whole on one rank -- a DP-attention rank
+    # its own rows (no collective, and no input gather either), other layouts a 1/T slice of the
+    # replicated rows and one all-gather of the outputs
+    replicated_ff = p.feed_forward == "replicated" and t > 1
+    ff_t, ff_n = t, n  # ranks the block's weights are divided over; rows one rank runs them on
+    if replicated_ff:
+        ff_t, ff_n = 1, (float(n_r.max()) if layout is Layout.DP else rows_sh)
+        mlp_comm = 0.0 if layout is Layout.DP else p.all_gather.time((n - rows_sh) * hd * ACT)
 
     # collectives of the attention block (per layer; the indexer part only on full layers)
     frac = (t - 1) / t
     if layout is Layout.TP:
         comm = ar_hidden
     elif layout is Layout.DP:
-        comm = p.all_gather.time(float((n - n_r).max()) * hd * ACT)
+        comm = 0.0 if replicated_ff else p.all_gather.time(float((n - n_r).max()) * hd * ACT)
     elif layout is Layout.DOP:
         def a2a(width: int) -> float:
             sent = (n - n_r) * (h / t) * width * ACT
@@ -385,13 +393,16 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     mf, af = p.matmul_flops, p.attention_flops
     scale = {name: p.scale(group, layout.value) for group, names in STAGE_GROUP_OF.items() for name in names}
     if k.n_experts:
-        touched = k.n_experts * (1.0 - (1.0 - k.top_k / k.n_experts) ** n) if n else 0.0
-        moe = _roof(n * k.top_k * k.f_expert / t + n * k.n_shared * k.f_expert / t + n * 2 * hd * k.n_experts, mf,
-                    touched / t * k.expert_bytes + k.n_shared * k.expert_bytes / t + k.n_experts * hd * 4,
-                    p.weight_read_Bps) + touched / t * p.expert_call_s
+        # sharded: a rank holds 1/T of the experts and runs them on every row; replicated: all of
+        # them, run on its ff_n rows (ff_t = 1). Either way the router scores every row it sees.
+        touched = k.n_experts * (1.0 - (1.0 - k.top_k / k.n_experts) ** ff_n) if ff_n else 0.0
+        moe = _roof(ff_n * k.top_k * k.f_expert / ff_t + ff_n * k.n_shared * k.f_expert / ff_t
+                    + ff_n * 2 * hd * k.n_experts, mf,
+                    touched / ff_t * k.expert_bytes + k.n_shared * k.expert_bytes / ff_t + k.n_experts * hd * 4,
+                    p.weight_read_Bps) + touched / ff_t * p.expert_call_s
     else:
         moe = 0.0
-    dense = _roof(n * k.f_dense / t, mf, k.dense_bytes / t, p.weight_read_Bps)
+    dense = _roof(ff_n * k.f_dense / ff_t, mf, k.dense_bytes / ff_t, p.weight_read_Bps)
     per_request = busy_requests * p.request_layer_s
     att_elements = (att_load * att_heads + gather_load) * p.score_element_s
     idx_elements = (idx_load * model.index_n_heads + sel_load) * p.score_element_s

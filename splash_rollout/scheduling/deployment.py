@@ -58,7 +58,7 @@ class Deployment:
         model, profile = resolve_model(model), load_profile(profile)
         sizes = AttentionBytes.from_model(model, weight_dtype, kv_format)
         t = profile.world_size
-        other = other_weight_bytes_per_rank(model, t, weight_dtype)
+        other = other_weight_bytes_per_rank(model, t, weight_dtype, profile.feed_forward)
         fps = {}
         for l in ALL_LAYOUTS:
             reserve = profile.reserve_bytes + int(profile.per_layout("workspace_bytes", l.value))

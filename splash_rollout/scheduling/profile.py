@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from splash_rollout.layout import GiB, MiB
+from splash_rollout.layout import FEED_FORWARD_PLACEMENTS, GiB, MiB
 
 COLLECTIVES = ("all_gather", "all_to_all", "all_reduce")
 ENGINES = ("ideal", "torch_ref", "cpu")
@@ -97,6 +97,10 @@ class HardwareProfile:
     native CPU backend under fast numerics (what ``calibrate`` measures by default): paged
     attention over causal / selected keys, long prefill chunks in expanded form, otherwise the
     reference engine's indexer and CP."""
+    feed_forward: str = "sharded"
+    """Where the priced engine keeps its MLP / MoE weights (FEED_FORWARD_PLACEMENTS): ``sharded`` --
+    1/T per rank, a collective closing every block; ``replicated`` -- whole on every rank, each rank
+    computing its own rows (DP-attention) or a 1/T slice of them (other layouts) then one all-gather."""
     request_layer_s: float = 0.0
     """Fixed cost per request per decoder layer on the busiest rank (per-request kernels), s."""
     request_step_s: float = 0.0
@@ -141,6 +145,8 @@ class HardwareProfile:
                 raise ValueError(f"{c}: expected latency_s >= 0 and bandwidth_Bps > 0, got {cost}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine: expected one of {ENGINES}, got {self.engine!r}")
+        if self.feed_forward not in FEED_FORWARD_PLACEMENTS:
+            raise ValueError(f"feed_forward: expected one of {FEED_FORWARD_PLACEMENTS}, got {self.feed_forward!r}")
         for f in ("step_overhead_s", "layer_overhead_s", "reserve_bytes", *OVERHEAD_FIELDS):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}: expected a non-negative number, got {getattr(self, f)}")
@@ -200,7 +206,7 @@ class HardwareProfile:
                         raise ValueError("expected a mapping {name: number}")
                     kind = PER_LAYOUT_FIELDS.get(name, float)
                     value = {str(k): kind(v) if not isinstance(v, bool) else v for k, v in value.items()}
-                elif name in ("name", "engine"):
+                elif name in ("name", "engine", "feed_forward"):
                     value = str(value)
                 elif name in ("world_size", "memory_bytes", "reserve_bytes"):
                     if isinstance(value, bool) or float(value) != int(float(value)):

@@ -1,8 +1,10 @@
 """Reproducible numerics over two ranks: whatever layout computes a token (TP's and DOP's head-sharded
-o_proj, CP's partial attention over a split history, the tensor-parallel FFN every layout uses) and
-across live switches, its rollout logprob equals the trainer's single-process one: bit-identical on
-almost every token, a rare value that lands within float64 noise of a float32 rounding boundary one
-or two ulps apart (measured: 0-4 of 2816 tokens per layout, at most 4.8e-7)."""
+o_proj, CP's partial attention over a split history, the feed-forward block sharded over the ranks
+or replicated on each) and across live switches, its rollout logprob equals the trainer's
+single-process one: bit-identical on almost every token, a rare value that lands within float64
+noise of a float32 rounding boundary one or two ulps apart (measured: 0-4 of 2816 tokens per
+layout, at most 4.8e-7)."""
+import pytest
 import torch
 
 from splash_rollout.recipes.grpo.loss import token_logprobs
@@ -12,17 +14,23 @@ from splash_rollout.models.numerics import numerics
 from tests.unit.test_numerics import sharp_model
 
 
-def test_every_layout_and_switch_reproduces_the_trainers_logprobs():
+@pytest.mark.parametrize("feed_forward", ["sharded", "replicated"])
+def test_every_layout_and_switch_reproduces_the_trainers_logprobs(feed_forward):
     model = sharp_model()
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12] * 30, [40, 41] * 12]
     config = EngineConfig(model="glm5-nano", world_size=2, layout="tp", num_pages=64, page_size=8,
                           max_num_batched_tokens=64, numerics="reproducible",
-                          switch_schedule={6: "cp", 18: "dop", 30: "dp"})
+                          switch_schedule={6: "cp", 18: "dop", 30: "dp"}, feed_forward=feed_forward)
     with RolloutEngine(config) as engine:
         engine.update_weights(weights, version=1)
         batch = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=44, seed=5,
                                                         ignore_eos=True))
+        held = [rank["weights"] for rank in engine.memory_stats()]
+    ff_bytes = sum(p.nbytes for name, p in model.named_parameters() if ".mlp." in name and ".mlp.gate." not in name)
+    other_bytes = sum(p.nbytes for p in model.parameters()) - ff_bytes  # the routers are replicated either way
+    ff_per_rank = ff_bytes if feed_forward == "replicated" else ff_bytes // 2  # whole blocks, or half of them
+    assert all(abs(h - other_bytes - ff_per_rank) < 1024 for h in held), (held, other_bytes, ff_per_rank)
     assert [p["layout"] for p in batch.timeline.to_dict()["phases"]] == ["tp", "cp", "dop", "dp"]
     samples = batch.samples
     mb = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id=0,

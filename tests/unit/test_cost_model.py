@@ -260,3 +260,29 @@ def test_cpu_engine_prices_causal_keys_and_expanded_prefill():
     assert not expanded_is_cheaper(512, 512, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                                    cfg.v_head_dim, cfg.index_topk)
     assert not expanded_is_cheaper(1, 512, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+
+
+def test_replicated_feed_forward_drops_dp_collectives_and_holds_every_expert():
+    """Replicated MLP / MoE weights: a DP-attention rank runs the block on its own rows with no
+    collective (neither the input gather nor the reduce-scatter); replicated-row layouts pay one
+    all-gather of the block's output instead of the all-reduce; every rank holds the whole block."""
+    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.layout import other_weight_bytes_per_rank
+    from splash_rollout.models.config import resolve_model
+
+    cfg = resolve_model("glm5-nano")
+    sizes = sizes_for(cfg, torch.float32)
+    sharded = load_profile("cpu").replace(world_size=2)
+    replicated = sharded.replace(feed_forward="replicated")
+    batch = StepBatch.make([160] * 64, [1] * 64, np.arange(64) % 2)
+    dp_sh, dp_rep = (step_time("dp", batch, cfg, p, sizes) for p in (sharded, replicated))
+    assert dp_sh.stages["mlp_comm"] > 0 and dp_sh.stages["attn_comm"] > 0
+    assert dp_rep.stages["mlp_comm"] == 0 and dp_rep.stages["attn_comm"] == 0
+    assert dp_rep.stages["attention"] == pytest.approx(dp_sh.stages["attention"])  # attention is untouched
+    tp_sh, tp_rep = (step_time("tp", batch, cfg, p, sizes) for p in (sharded, replicated))
+    assert tp_rep.stages["mlp_comm"] > 0 and tp_rep.stages["mlp_comm"] != tp_sh.stages["mlp_comm"]  # all-gather
+    one_rank = other_weight_bytes_per_rank(cfg, 1, "fp32")
+    assert other_weight_bytes_per_rank(cfg, 2, "fp32", "replicated") > other_weight_bytes_per_rank(cfg, 2, "fp32")
+    assert other_weight_bytes_per_rank(cfg, 2, "fp32", "replicated") < one_rank  # embeddings still split
+    with pytest.raises(ValueError, match="feed_forward: expected one of"):
+        sharded.replace(feed_forward="split")

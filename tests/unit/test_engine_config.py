@@ -52,6 +52,9 @@ def test_flat_names_land_in_their_groups_and_match_the_grouped_form():
     ({"max_queued_requests": True}, ValueError, r"batching\.max_queued_requests: expected an integer"),
     ({"compute": {"retain_heap": "yes"}}, ValueError, r"compute\.retain_heap: expected True or False"),
     ({"compute": {"pack_weights": 1}}, ValueError, r"compute\.pack_weights: expected True or False"),
+    ({"parallel": {"feed_forward": "split"}}, ValueError, r"parallel\.feed_forward: expected one of"),
+    ({"parallel": {"world_size": 2, "feed_forward": "replicated"}, "outputs": {"return_routing": True}}, ValueError,
+     r"return_routing needs feed_forward='sharded' on more than one rank"),
 ])
 def test_bad_options_are_refused_naming_the_group_and_field(kwargs, error, match):
     with pytest.raises(error, match=match):

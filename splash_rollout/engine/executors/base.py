@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from splash_rollout.engine.forward_batch import ForwardBatch
+from splash_rollout.engine.parallel_mlp import on_replicated_rows
 
 if TYPE_CHECKING:
     from splash_rollout.engine.rank_state import RankState
@@ -72,6 +73,9 @@ class ReplicatedRowsExecutor(RankExecutor):
     """A layout whose ranks all carry every row between blocks (TP, DOP, CP): the sampled rows are
     dealt in T contiguous, nearly equal blocks, so the LM head and the sampler split over the ranks
     like the attention does."""
+
+    def feed_forward(self, mlp: torch.nn.Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return on_replicated_rows(mlp, x, self.s.comm)  # [N, hidden] -> [N, hidden], every rank
 
     def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
         r, t = batch.sample_rows.shape[0], self.s.view.world_size

@@ -1,9 +1,10 @@
 """DP-attention: each rank runs all heads for the rows of the requests it owns, against its own
-histories, and carries only those rows between blocks. The feed-forward block, whose weights are
-sharded over the ranks, all-gathers its input rows, runs this rank's shard on every row and
-reduce-scatters the partial sums back to the owners (half the bytes of an all-reduce, and the
-norms and residual adds run once per row, not once per rank). Each rank computes the logits of its
-own sampled rows and samples them."""
+histories, and carries only those rows between blocks. The feed-forward block runs on those rows too
+(``parallel_mlp.on_owned_rows``): with sharded weights it all-gathers its input rows, runs this
+rank's shard on every row and reduce-scatters the partial sums back to the owners (half the bytes of
+an all-reduce, and the norms and residual adds run once per row, not once per rank); with
+replicated weights it runs the whole block on the rank's own rows, no collective. Each rank
+computes the logits of its own sampled rows and samples them."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from splash_rollout.engine.executors.base import RankExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
-from splash_rollout.engine.parallel_mlp import ParallelFeedForward
+from splash_rollout.engine.parallel_mlp import on_owned_rows
 
 
 def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, list[int]]:
@@ -38,22 +39,11 @@ class DPExecutor(RankExecutor):
         return attend_local(attn, s.shards[attn.layer_idx], s.pool, s.backend, x, sub)
 
     def feed_forward(self, mlp, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        if not isinstance(mlp, ParallelFeedForward):  # one rank: the whole block is here
-            return mlp(x)
-        comm = self.s.comm
         order, counts = rows_by_owner(batch, self.s.view.world_size)
-        every = to_batch_order(comm.all_gather_uneven(x, counts, tag="step/mlp"), order)  # [N, hidden]
-        partial = mlp.shard(every)  # [N, hidden], batch order; float64 under reproducible numerics
-        return comm.reduce_scatter_uneven(partial[order], counts, tag="step/mlp").to(x.dtype)
+        return on_owned_rows(mlp, x, self.s.comm, order, counts)
 
     def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
         """Each sampled row's owner: a rank samples the rows it carries (the LM head and the sampler
         split like the attention)."""
         return batch.row_owners.index_select(0, batch.sample_rows)  # [R]
 
-
-def to_batch_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Rows grouped by owner (``rows_by_owner``'s order) back in batch order."""
-    out = torch.empty_like(rows)
-    out[order] = rows
-    return out
