@@ -20,7 +20,9 @@ not timed.
   the vLLM venv's python), ``splash_t1`` (world_size 1), ``splash_t2_dp`` (world_size 2,
   DP-attention; each rank takes the engine's default os.cpu_count() // 2 threads) and
   ``splash_t2_dp_ffrep`` (the same with ``parallel.feed_forward="replicated"``: each rank holds the
-  whole MLP / MoE and runs it on its own rows, no per-layer collective). Each round runs
+  whole MLP / MoE and runs it on its own rows, no per-layer collective) and ``splash_2x_t1``: two
+  separate one-thread, one-core T = 1 engines, each on every other prompt, timed together (tokens /
+  the slower wall) -- the ceiling of any 2-rank DP-attention on this machine. Each round runs
   every arm once, the order alternating (A,B,C then C,B,A, ...); per round: tokens/s, the timed
   call's wall, the 1-min load average before the run, the exit status. Medians per arm, the ratios
   of medians (splash / vllm, and each T=2 arm / the T=1 arm of its environment) and the
@@ -87,10 +89,14 @@ QUICK_WORKLOADS = {
 }
 GREEDY = dict(prompts=8, prompt_len=32, new=16)
 QUICK_GREEDY = dict(prompts=4, prompt_len=16, new=8)
-ARMS = ("vllm", "splash_t1", "splash_t2_dp", "splash_t2_dp_ffrep")
-SPLASH_ARMS = {"splash_t1": dict(world_size=1, layout="tp", feed_forward="sharded"),
-               "splash_t2_dp": dict(world_size=2, layout="dp", feed_forward="sharded"),
-               "splash_t2_dp_ffrep": dict(world_size=2, layout="dp", feed_forward="replicated")}
+ARMS = ("vllm", "splash_t1", "splash_t2_dp", "splash_t2_dp_ffrep", "splash_2x_t1")
+SPLASH_ARMS = {"splash_t1": dict(world_size=1, layout="tp", feed_forward="sharded", independent=1),
+               "splash_t2_dp": dict(world_size=2, layout="dp", feed_forward="sharded", independent=1),
+               "splash_t2_dp_ffrep": dict(world_size=2, layout="dp", feed_forward="replicated", independent=1),
+               "splash_2x_t1": dict(world_size=1, layout="tp", feed_forward="sharded", independent=2)}
+"""``independent`` > 1: that many separate one-rank engines, one thread and one core each, every one
+on its share of the prompts (prompt i to engine i mod k), timed calls started together: what any
+k-rank DP-attention could reach here with no collective at all (tokens / the slowest engine's wall)."""
 CHECKPOINT_CONFIG = dict(
     vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=512, qk_rope_head_dim=64,
@@ -148,6 +154,8 @@ def child_checkpoint(spec: dict) -> dict:
 
 
 def child_splash(spec: dict) -> dict:
+    if spec.get("independent", 1) > 1:
+        return child_independent(spec)
     pinned = _pin(spec["threads"])
     import torch
 
@@ -183,6 +191,64 @@ def child_splash(spec: dict) -> dict:
         return out
     finally:
         engine.shutdown()
+
+
+def _independent_engine(spec: dict, index: int, core: int, barrier, results) -> None:
+    """One of ``child_independent``'s engines (a spawned process)."""
+    os.sched_setaffinity(0, [core])
+    import torch
+
+    torch.set_num_threads(1)
+    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    k = spec["independent"]
+    prompts = _load(spec["prompts_file"])["token_ids"][index::k]
+    engine = RolloutEngine(EngineConfig(
+        model=spec["checkpoint"], dtype=spec["dtype"], num_pages=spec["num_pages"], page_size=spec["page_size"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"] // k, max_num_seqs=256, compute={"cpu_share": False}))
+    try:
+        engine.generate([p[:WARMUP["prompt_len"]] for p in prompts[:WARMUP["prompts"]]],
+                        SamplingParams(n=1, temperature=1.0, max_new_tokens=WARMUP["new"], ignore_eos=True, seed=2))
+        greedy = spec["mode"] == "greedy"
+        sp = SamplingParams(n=1 if greedy else spec["n"], temperature=0.0 if greedy else 1.0,
+                            max_new_tokens=spec["new"], ignore_eos=True, seed=None if greedy else 1)
+        barrier.wait(timeout=600)
+        t0 = time.perf_counter()
+        batch = engine.generate(prompts, sp)
+        wall = time.perf_counter() - t0
+        groups = sorted(batch.groups, key=lambda g: g.prompt_index)
+        results.put((index, wall, sum(len(x.response_ids) for x in batch.samples),
+                     [g.samples[0].response_ids for g in groups],
+                     [[float(x) for x in g.samples[0].response_logprobs] for g in groups]))
+    finally:
+        engine.shutdown()
+
+
+def child_independent(spec: dict) -> dict:
+    """``independent`` one-rank engines side by side (SPLASH_ARMS): the ceiling of a k-rank DP here."""
+    import multiprocessing as mp
+
+    k, cores = spec["independent"], sorted(os.sched_getaffinity(0))
+    if len(cores) < k:
+        raise RuntimeError(f"{k} independent engines need {k} cores, this process may use {cores}")
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(k), ctx.Queue()
+    procs = [ctx.Process(target=_independent_engine, args=(spec, i, cores[i], barrier, results)) for i in range(k)]
+    for proc in procs:
+        proc.start()
+    got = sorted(results.get(timeout=spec.get("timeout_s", 1800)) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    out = {"engines": k, "pinned_cores": cores[:k], "torch_threads": 1, "num_pages": spec["num_pages"],
+           "walls_s": [w for _, w, *_ in got]}
+    if spec["mode"] == "greedy":
+        n = sum(len(t) for *_, t, _ in got)
+        out["tokens"] = [got[i % k][3][i // k] for i in range(n)]
+        out["logprobs"] = [got[i % k][4][i // k] for i in range(n)]
+        return out
+    wall, tokens = max(w for _, w, *_ in got), sum(t for _, _, t, *_ in got)
+    out.update(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, samples=None, engine_steps=None)
+    return out
 
 
 def child_vllm(spec: dict) -> dict:
@@ -517,10 +583,10 @@ def summarize_cell(cell: dict, arm_keys: list[str]) -> None:
     vllm = cell["arms"].get("vllm")
     cell["ratios_vs_vllm"] = {a: ratios(cell["arms"][a], vllm) for a in arm_keys
                               if vllm is not None and a != "vllm" and a in cell["arms"]}
-    # each two-rank arm against the one-rank arm of its environment ("splash_t1[same]" for "...[same]")
+    # each two-rank (or two-engine) arm against the one-rank arm of its environment ("splash_t1[same]" for "...[same]")
     cell["ratios_vs_t1"] = {}
     for a in arm_keys:
-        if a.startswith("splash_t2") and a in cell["arms"]:
+        if a.startswith("splash_") and not a.startswith("splash_t1") and a in cell["arms"]:
             t1 = cell["arms"].get("splash_t1" + a[a.index("["):] if "[" in a else "splash_t1")
             if t1 is not None:
                 cell["ratios_vs_t1"][a] = ratios(cell["arms"][a], t1)
@@ -632,6 +698,7 @@ def main(argv=None) -> dict:
                                              "the plain environment: glibc malloc, the libgomp torch ships"),
                              "env_remove": () if env_name == "same" else ("LD_PRELOAD",),
                              **SPLASH_ARMS[a], "threads_per_rank": (args.threads if SPLASH_ARMS[a]["world_size"] == 1
+                                                                    and SPLASH_ARMS[a]["independent"] == 1
                                                                     else max(1, (os.cpu_count() or 1) // 2)),
                              "engine_config": {"dtype": "<dtype>", "max_num_batched_tokens": args.max_num_batched_tokens,
                                                "max_num_seqs": 256, "page_size": args.page_size, **SPLASH_ARMS[a],
@@ -707,7 +774,7 @@ def main(argv=None) -> dict:
         return {"mode": mode, "checkpoint": ckpt, "dtype": dtype, "prompts_file": prompts_file, "n": n,
                 "new": shape["new"], "threads": args.threads, "num_pages": pages, "page_size": args.page_size,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "world_size": arm["world_size"],
-                "layout": arm["layout"], "feed_forward": arm["feed_forward"]}
+                "layout": arm["layout"], "feed_forward": arm["feed_forward"], "independent": arm["independent"]}
 
     def spec_for(key: str, dtype: str, shape: dict, prompts_file: str, mode: str) -> dict:
         arm = arm_defs[key]
