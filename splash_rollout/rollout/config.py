@@ -108,9 +108,9 @@ class EngineConfig:
         self._check_across_groups()
 
     def _check_across_groups(self) -> None:
-        compute = self.compute
         from splash_rollout.engine.parallel_mlp import placement_problem
 
+        compute = self.compute
         problem = placement_problem(self.parallel.feed_forward, self.outputs.return_routing, self.parallel.world_size)
         if problem:
             raise ValueError(f"parallel.feed_forward / outputs.return_routing: {problem}")
