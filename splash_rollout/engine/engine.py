@@ -44,7 +44,7 @@ from splash_rollout.engine.speculation_gate import SpeculationGate
 from splash_rollout.scheduling.cost_model import StepBatch
 from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
-from splash_rollout.engine.parallel_mlp import feed_forward_bytes, placement_problem, shard_feed_forward
+from splash_rollout.engine.parallel_mlp import placement_problem, shard_feed_forward
 from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.projections import drop_full_projections, slice_projections
 from splash_rollout.engine.rank_state import RankState
@@ -566,8 +566,8 @@ class Engine:
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, read from the tensors: switchable projections, replicated attention
-        weights, KV pool, feed-forward weights (this rank's shards, or the whole blocks)."""
+        weights, KV pool."""
         replicated = sum(p.numel() * p.element_size() for layer in self.model.model.layers
                          for p in layer.self_attn.parameters())
         return {"switchable": sum(s.nbytes for s in self.state.shards), "replicated_attention": replicated,
-                "kv_pool": self.state.pool.nbytes, "feed_forward": feed_forward_bytes(self.model)}
+                "kv_pool": self.state.pool.nbytes}

@@ -117,11 +117,6 @@ def even_split(n: int, world_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
-def feed_forward_bytes(model: nn.Module) -> int:
-    """Bytes of the feed-forward weights this rank holds (its shards, or the whole blocks)."""
-    return sum(p.numel() * p.element_size() for layer in model.model.layers for p in layer.mlp.parameters())
-
-
 def shard_feed_forward(model: nn.Module, rank: int, world_size: int, comm) -> None:
     """Replace every layer's MLP / MoE by this rank's shard (frees the rest of the weights)."""
     for layer in model.model.layers:
