@@ -25,8 +25,8 @@ not timed.
   the slower wall) -- the ceiling of any 2-rank DP-attention on this machine. Each round runs
   every arm once, the order alternating (A,B,C then C,B,A, ...); per round: tokens/s, the timed
   call's wall, the 1-min load average before the run, the exit status. Medians per arm, the ratios
-  of medians (splash / vllm, and each T=2 arm / the T=1 arm of its environment) and the
-  round-by-round ratios.
+  of medians (splash / vllm, and each T=2 arm / the T=1 arm of its environment), the
+  round-by-round ratios and their median (``median_by_round``, the paired reading).
 * ``--splash-env``: ``same`` (default) runs this engine under vLLM's allocator and OpenMP
   (LD_PRELOAD tcmalloc + the venv's Intel libiomp5, OMP_NUM_THREADS); ``own`` under the plain
   environment (glibc malloc, the libgomp torch ships); ``both`` runs each splash arm twice per round.
@@ -547,9 +547,9 @@ def markdown(out: dict) -> str:
                 txt = fmt(med)
                 if arm and ratio is not None:
                     txt += f" ({ratio:.2f}x vllm)"
-                vs_t1 = cell.get("ratios_vs_t1", {}).get(a, {}).get("of_medians")
-                if arm and vs_t1 is not None:
-                    txt += f" ({vs_t1:.2f}x T=1)"
+                vs_t1 = cell.get("ratios_vs_t1", {}).get(a, {})
+                if arm and vs_t1.get("of_medians") is not None:
+                    txt += f" ({vs_t1['of_medians']:.2f}x T=1, paired {vs_t1['median_by_round']:.2f}x)"
                 if arm and arm["failed_rounds"]:
                     txt += f" [{arm['failed_rounds']} failed]"
                 row.append(txt)
@@ -593,13 +593,15 @@ def summarize_cell(cell: dict, arm_keys: list[str]) -> None:
 
 
 def ratios(arm: dict, base: dict) -> dict:
-    """arm / base: of the medians, and round by round (the same round's runs)."""
+    """arm / base: of the medians, round by round (the same round's runs), and the median of those
+    (paired: a slow stretch of the machine that spans one round moves both arms of that round)."""
     of_medians = (arm["median_tokens_per_s"] / base["median_tokens_per_s"]
                   if arm["median_tokens_per_s"] and base["median_tokens_per_s"] else None)
     by_round_base = {r["round"]: r.get("tokens_per_s") for r in base["rounds"]}
     by_round = [(r["tokens_per_s"] / by_round_base[r["round"]]
                  if r.get("tokens_per_s") and by_round_base.get(r["round"]) else None) for r in arm["rounds"]]
-    return {"of_medians": of_medians, "by_round": by_round}
+    return {"of_medians": of_medians, "by_round": by_round,
+            "median_by_round": median([x for x in by_round if x is not None])}
 
 
 def main(argv=None) -> dict:

@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 
 import long_tail_rl  # noqa: E402
 import memory  # noqa: E402
+import peer_engines  # noqa: E402
 
 
 def test_full_group_pages_hold_the_full_prompt_pages_once():
@@ -29,3 +30,18 @@ def test_tail_seconds_counts_time_at_a_small_batch(tmp_path):
     out = long_tail_rl.tail_seconds(str(tmp_path))  # batch <= 1 of a peak of 8: from t = 3 to 6
     assert out["tail_s"] == 6.0 and out["engine_s"] == 12.0 and out["rows"] == 240
     assert out["tail_s_by_step"] == [3.0, 3.0]
+
+
+def test_peer_ratios_pair_each_round_with_its_own_base_run():
+    def arm(rates):
+        ok = [r for r in rates if r is not None]
+        return {"median_tokens_per_s": peer_engines.median(ok),
+                "rounds": [{"round": i, "tokens_per_s": r} for i, r in enumerate(rates)]}
+    # slow stretches hit the base in round 1 and the arm in round 2: each round's pair still reads 1.1x
+    # where it ran alone; the ratio of the medians (660 / 1000) pairs runs from different rounds
+    base, arm_b = arm([1000.0, 600.0, 1000.0]), arm([1100.0, 660.0, 640.0])
+    out = peer_engines.ratios(arm_b, base)
+    assert [round(x, 12) for x in out["by_round"]] == [1.1, 1.1, 0.64]
+    assert abs(out["median_by_round"] - 1.1) < 1e-12 and abs(out["of_medians"] - 0.66) < 1e-12
+    failed = peer_engines.ratios(arm([1100.0, None, 500.0]), base)  # a failed round is left out
+    assert failed["by_round"][1] is None and abs(failed["median_by_round"] - 0.8) < 1e-12
