@@ -153,6 +153,30 @@ def child_checkpoint(spec: dict) -> dict:
     return {"params": sum(p.numel() for p in model.parameters()), "transformers": transformers.__version__}
 
 
+def _warm_and_generate(engine, prompts: list[list[int]], spec: dict, before_timed=None) -> dict:
+    """The untimed warm-up, then the measured call (``before_timed()`` right before it): greedy in
+    ``greedy`` mode, else sampled with ``n`` samples. Returns its wall, generated tokens, samples and
+    engine steps, and in greedy mode each prompt's response ids and logprobs (prompt order)."""
+    from splash_rollout import SamplingParams
+
+    engine.generate([p[:WARMUP["prompt_len"]] for p in prompts[:WARMUP["prompts"]]],
+                    SamplingParams(n=1, temperature=1.0, max_new_tokens=WARMUP["new"], ignore_eos=True, seed=2))
+    greedy = spec["mode"] == "greedy"
+    sp = SamplingParams(n=1 if greedy else spec["n"], temperature=0.0 if greedy else 1.0,
+                        max_new_tokens=spec["new"], ignore_eos=True, seed=None if greedy else 1)
+    if before_timed is not None:
+        before_timed()
+    t0 = time.perf_counter()
+    batch = engine.generate(prompts, sp)
+    run = {"wall_s": time.perf_counter() - t0, "tokens": sum(len(s.response_ids) for s in batch.samples),
+           "samples": len(batch.samples), "engine_steps": batch.metrics.get("perf/steps")}
+    if greedy:
+        groups = sorted(batch.groups, key=lambda g: g.prompt_index)
+        run["response_ids"] = [g.samples[0].response_ids for g in groups]
+        run["logprobs"] = [[float(x) for x in g.samples[0].response_logprobs] for g in groups]
+    return run
+
+
 def child_splash(spec: dict) -> dict:
     if spec.get("independent", 1) > 1:
         return child_independent(spec)
@@ -160,7 +184,7 @@ def child_splash(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+    from splash_rollout import EngineConfig, RolloutEngine
 
     prompts = _load(spec["prompts_file"])["token_ids"]
     t0 = time.perf_counter()
@@ -172,34 +196,25 @@ def child_splash(spec: dict) -> dict:
     out: dict = {"startup_s": startup_s, "torch_threads": torch.get_num_threads(), "pinned_cores": pinned,
                  "num_pages": spec["num_pages"]}
     try:
-        engine.generate([p[:WARMUP["prompt_len"]] for p in prompts[:WARMUP["prompts"]]],
-                        SamplingParams(n=1, temperature=1.0, max_new_tokens=WARMUP["new"], ignore_eos=True, seed=2))
-        if spec["mode"] == "greedy":
-            batch = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=spec["new"],
-                                                            ignore_eos=True))
-            groups = sorted(batch.groups, key=lambda g: g.prompt_index)
-            out["tokens"] = [g.samples[0].response_ids for g in groups]
-            out["logprobs"] = [[float(x) for x in g.samples[0].response_logprobs] for g in groups]
-            return out
-        sp = SamplingParams(n=spec["n"], temperature=1.0, max_new_tokens=spec["new"], ignore_eos=True, seed=1)
-        t0 = time.perf_counter()
-        batch = engine.generate(prompts, sp)
-        wall = time.perf_counter() - t0
-        tokens = sum(len(s.response_ids) for s in batch.samples)
-        out.update(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, samples=len(batch.samples),
-                   engine_steps=batch.metrics.get("perf/steps"))
-        return out
+        run = _warm_and_generate(engine, prompts, spec)
     finally:
         engine.shutdown()
+    if spec["mode"] == "greedy":
+        out.update(tokens=run["response_ids"], logprobs=run["logprobs"])
+    else:
+        out.update(tokens=run["tokens"], wall_s=run["wall_s"], tokens_per_s=run["tokens"] / run["wall_s"],
+                   samples=run["samples"], engine_steps=run["engine_steps"])
+    return out
 
 
 def _independent_engine(spec: dict, index: int, core: int, barrier, results) -> None:
-    """One of ``child_independent``'s engines (a spawned process)."""
+    """One of ``child_independent``'s engines (a spawned process): its share of the prompts, the
+    measured call started together with the others'."""
     os.sched_setaffinity(0, [core])
     import torch
 
     torch.set_num_threads(1)
-    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+    from splash_rollout import EngineConfig, RolloutEngine
 
     k = spec["independent"]
     prompts = _load(spec["prompts_file"])["token_ids"][index::k]
@@ -207,19 +222,8 @@ def _independent_engine(spec: dict, index: int, core: int, barrier, results) -> 
         model=spec["checkpoint"], dtype=spec["dtype"], num_pages=spec["num_pages"], page_size=spec["page_size"],
         max_num_batched_tokens=spec["max_num_batched_tokens"] // k, max_num_seqs=256, compute={"cpu_share": False}))
     try:
-        engine.generate([p[:WARMUP["prompt_len"]] for p in prompts[:WARMUP["prompts"]]],
-                        SamplingParams(n=1, temperature=1.0, max_new_tokens=WARMUP["new"], ignore_eos=True, seed=2))
-        greedy = spec["mode"] == "greedy"
-        sp = SamplingParams(n=1 if greedy else spec["n"], temperature=0.0 if greedy else 1.0,
-                            max_new_tokens=spec["new"], ignore_eos=True, seed=None if greedy else 1)
-        barrier.wait(timeout=600)
-        t0 = time.perf_counter()
-        batch = engine.generate(prompts, sp)
-        wall = time.perf_counter() - t0
-        groups = sorted(batch.groups, key=lambda g: g.prompt_index)
-        results.put((index, wall, sum(len(x.response_ids) for x in batch.samples),
-                     [g.samples[0].response_ids for g in groups],
-                     [[float(x) for x in g.samples[0].response_logprobs] for g in groups]))
+        run = _warm_and_generate(engine, prompts, spec, before_timed=lambda: barrier.wait(timeout=600))
+        results.put((index, run["wall_s"], run["tokens"], run.get("response_ids"), run.get("logprobs")))
     finally:
         engine.shutdown()
 
@@ -583,7 +587,8 @@ def summarize_cell(cell: dict, arm_keys: list[str]) -> None:
     vllm = cell["arms"].get("vllm")
     cell["ratios_vs_vllm"] = {a: ratios(cell["arms"][a], vllm) for a in arm_keys
                               if vllm is not None and a != "vllm" and a in cell["arms"]}
-    # each two-rank (or two-engine) arm against the one-rank arm of its environment ("splash_t1[same]" for "...[same]")
+    # each two-rank (or two-engine) arm against the one-rank arm of its environment
+    # ("splash_t1[same]" for "...[same]")
     cell["ratios_vs_t1"] = {}
     for a in arm_keys:
         if a.startswith("splash_") and not a.startswith("splash_t1") and a in cell["arms"]:

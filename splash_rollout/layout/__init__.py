@@ -12,8 +12,7 @@ from splash_rollout.layout.switch_plan import (BatchKV, LayerPlan, Primitive, St
 
 __all__ = [
     "ALL_LAYOUTS", "AttentionBytes", "BatchKV", "CohortSpec", "FEED_FORWARD_PLACEMENTS", "GiB", "KV_FORMATS",
-    "LayerPlan", "Layout",
-    "LayoutFootprint", "MiB", "Ownership", "Placement", "Primitive", "RankBudget", "StateMove",
+    "LayerPlan", "Layout", "LayoutFootprint", "MiB", "Ownership", "Placement", "Primitive", "RankBudget", "StateMove",
     "SwitchPlan", "WEIGHT_DTYPES", "all_switches", "ceil_div", "div_even", "fits", "footprint",
     "footprints", "kv_primitive", "longest_feasible_input", "longest_feasible_inputs",
     "other_weight_bytes_per_rank", "pool_tokens", "rank_demand", "round_robin_owners", "weight_primitive",
