@@ -20,7 +20,9 @@ not timed.
   the vLLM venv's python), ``splash_t1`` (world_size 1), ``splash_t2_dp`` (world_size 2,
   DP-attention; each rank takes the engine's default os.cpu_count() // 2 threads) and
   ``splash_t2_dp_ffrep`` (the same with ``parallel.feed_forward="replicated"``: each rank holds the
-  whole MLP / MoE and runs it on its own rows, no per-layer collective) and ``splash_2x_t1``: two
+  whole MLP / MoE and runs it on its own rows, no per-layer collective), ``splash_t2_dp_ffrep_lockstep``
+  (the same, its ranks meeting after every step: ``parallel.decode_window=1`` instead of the engine's
+  token windows) and ``splash_2x_t1``: two
   separate one-thread, one-core T = 1 engines, each on every other prompt, timed together (tokens /
   the slower wall) -- the ceiling of any 2-rank DP-attention on this machine. Each round runs
   every arm once, the order alternating (A,B,C then C,B,A, ...); per round: tokens/s, the timed
@@ -89,10 +91,12 @@ QUICK_WORKLOADS = {
 }
 GREEDY = dict(prompts=8, prompt_len=32, new=16)
 QUICK_GREEDY = dict(prompts=4, prompt_len=16, new=8)
-ARMS = ("vllm", "splash_t1", "splash_t2_dp", "splash_t2_dp_ffrep", "splash_2x_t1")
+ARMS = ("vllm", "splash_t1", "splash_t2_dp", "splash_t2_dp_ffrep", "splash_t2_dp_ffrep_lockstep", "splash_2x_t1")
 SPLASH_ARMS = {"splash_t1": dict(world_size=1, layout="tp", feed_forward="sharded", independent=1),
                "splash_t2_dp": dict(world_size=2, layout="dp", feed_forward="sharded", independent=1),
                "splash_t2_dp_ffrep": dict(world_size=2, layout="dp", feed_forward="replicated", independent=1),
+               "splash_t2_dp_ffrep_lockstep": dict(world_size=2, layout="dp", feed_forward="replicated", independent=1,
+                                                   decode_window=1),
                "splash_2x_t1": dict(world_size=1, layout="tp", feed_forward="sharded", independent=2)}
 """``independent`` > 1: that many separate one-rank engines, one thread and one core each, every one
 on its share of the prompts (prompt i to engine i mod k), timed calls started together: what any
@@ -191,7 +195,8 @@ def child_splash(spec: dict) -> dict:
     engine = RolloutEngine(EngineConfig(
         model=spec["checkpoint"], dtype=spec["dtype"], num_pages=spec["num_pages"], page_size=spec["page_size"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], max_num_seqs=256,
-        world_size=spec["world_size"], layout=spec["layout"], feed_forward=spec["feed_forward"]))
+        world_size=spec["world_size"], layout=spec["layout"], feed_forward=spec["feed_forward"],
+        **({"decode_window": spec["decode_window"]} if spec.get("decode_window") else {})))
     startup_s = time.perf_counter() - t0
     out: dict = {"startup_s": startup_s, "torch_threads": torch.get_num_threads(), "pinned_cores": pinned,
                  "num_pages": spec["num_pages"]}
@@ -781,7 +786,8 @@ def main(argv=None) -> dict:
         return {"mode": mode, "checkpoint": ckpt, "dtype": dtype, "prompts_file": prompts_file, "n": n,
                 "new": shape["new"], "threads": args.threads, "num_pages": pages, "page_size": args.page_size,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "world_size": arm["world_size"],
-                "layout": arm["layout"], "feed_forward": arm["feed_forward"], "independent": arm["independent"]}
+                "layout": arm["layout"], "feed_forward": arm["feed_forward"], "independent": arm["independent"],
+                "decode_window": arm.get("decode_window")}
 
     def spec_for(key: str, dtype: str, shape: dict, prompts_file: str, mode: str) -> dict:
         arm = arm_defs[key]

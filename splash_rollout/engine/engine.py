@@ -57,6 +57,7 @@ from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
 from splash_rollout.engine.step_control import StepControl, exchange
 from splash_rollout.engine.switch_step import RankSwitch, SwitchOrder, merge_measures
+from splash_rollout.engine.token_window import TokenWindow, provisional, window_steps
 from splash_rollout.layout.bytes import AttentionBytes
 from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
@@ -119,6 +120,13 @@ class EngineSettings:
     feed_forward: str = "sharded"
     """MLP / MoE weights over T ranks: ``sharded`` (1/T each, a collective per block) or ``replicated``
     (whole on every rank, each row computed on one rank; engine/parallel_mlp.py)."""
+    decode_window: int = 8
+    """DP-attention on T > 1 ranks: most steps the ranks decode between two exchanges of sampled tokens
+    (a token window, engine/token_window.py, where nothing but a stop can change the batch); 1: every step."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.decode_window, int) or self.decode_window < 1:
+            raise ValueError(f"decode_window: expected a positive integer, got {self.decode_window!r}")
 
     @property
     def initial_pages(self) -> int:
@@ -207,6 +215,8 @@ class Engine:
         self.cpu_share = CpuShare(torch.get_num_threads(),
                                   enabled=settings.cpu_share and t == 1 and self.device.type == "cpu")
         """Threads per step (one CPU rank): fewer while other processes hold the cores."""
+        self.window = TokenWindow.closed()
+        """The token window the ranks are decoding (engine/token_window.py); one step outside one."""
         self.num_steps = 0
         self.step_log: list[dict] = []
         """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds and
@@ -267,22 +277,25 @@ class Engine:
         finished: list[Request] = []
         prev: _Step | None = None
         steps = 0
-        mid_step = False  # between the control message and the end of the step
+        mid_step = False  # between the control message and the end of the step (or of its window)
         try:
             while True:
                 t0 = time.perf_counter()
-                control, nbytes = exchange(self.control, self._decide(steps, max_steps) if self.rank == 0 else None)
-                if control.failed is not None:
-                    raise RuntimeError(f"rank {self.rank}: the driver (rank 0) failed: {control.failed}")
-                if control.stop:
-                    if control.abort:
-                        finished.extend(self.abort_all())
-                    break
-                self.scheduler.draft_cap = control.draft_cap
+                switch, nbytes = None, 0
+                if self.window.is_over:  # the ranks meet: a control message for the next step or window
+                    control, nbytes = exchange(self.control, self._decide(steps, max_steps) if self.rank == 0 else None)
+                    if control.failed is not None:
+                        raise RuntimeError(f"rank {self.rank}: the driver (rank 0) failed: {control.failed}")
+                    if control.stop:
+                        if control.abort:
+                            finished.extend(self.abort_all())
+                        break
+                    self.scheduler.draft_cap, switch = control.draft_cap, control.switch
+                    self.window = TokenWindow(control.window)
                 mid_step = True
                 with self.cpu_share.step():
-                    prev = self._step(control.switch, nbytes, time.perf_counter() - t0)
-                mid_step = False
+                    prev = self._step(switch, nbytes, time.perf_counter() - t0)
+                mid_step = not self.window.is_over
                 steps += 1
                 if self.rank == 0:
                     ended = prev.finished
@@ -302,18 +315,34 @@ class Engine:
                     pass
             self.abort_all()
             raise
+        finally:
+            self.window = TokenWindow.closed()
         merge_measures(self.control, self.switch_measures, self.switch_log if self.rank == 0 else None)
         self.switch_measures = []
         return finished if self.rank == 0 else None
 
     def _decide(self, steps: int, max_steps: int | None) -> StepControl:
-        """Rank 0 at a step boundary: stop, abort, or go on (with a switch the driver chose)."""
+        """Rank 0 at a step boundary: stop, abort, or go on (with a switch the driver chose, or for a
+        token window of several steps)."""
         if self.should_abort is not None and self.should_abort():
             return StepControl(stop=True, abort=True)
         if not self.scheduler.has_unfinished or (max_steps is not None and steps >= max_steps):
             return StepControl(stop=True)
-        return StepControl(self.driver.at_boundary(self.layout, self.num_steps, self.scheduler),
-                           draft_cap=self._draft_cap())
+        switch = self.driver.at_boundary(self.layout, self.num_steps, self.scheduler)
+        cap = self._draft_cap()
+        window = 1
+        if switch is None and cap == 0 and self._windows_possible:
+            window = window_steps(self.settings.decode_window, self.scheduler,
+                                  None if max_steps is None else max_steps - steps,
+                                  self.driver.quiet_steps(self.num_steps))
+        return StepControl(switch, draft_cap=cap, window=window)
+
+    @property
+    def _windows_possible(self) -> bool:
+        """Whether the current layout lets ranks decode a token window between exchanges: ranks that
+        feed back only their own tokens, and no per-token record that follows every step on rank 0."""
+        return (self.world_size > 1 and self.settings.decode_window > 1 and self.runner.executor.inputs_stay_local
+                and self.routing is None)
 
     def _draft_cap(self) -> int:
         """Rank 0: how many tokens each decoding request may draft next step."""
@@ -350,10 +379,21 @@ class Engine:
         return scheduled
 
     def _finish(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, logits: torch.Tensor, order) -> "_Step":
-        """Every rank samples its rows, hears the others' and post-processes the same tokens; a
-        switch retires the pages it moved away from."""
-        tokens, logprobs = self._sample(scheduled, batch, logits)
-        step = _Step(int(tokens.shape[0]), self._postprocess(scheduled, tokens, logprobs))
+        """Every rank samples its rows, hears the others' and post-processes the same tokens -- at the
+        end of the step, or inside a token window provisionally until its last step; a switch
+        retires the pages it moved away from."""
+        window = self.window
+        window.check_step(scheduled, bool(self.scheduler.retracted))
+        sample_rank, tokens, logprobs = self._sample(scheduled, batch, logits)
+        window.hold(tokens, logprobs)
+        if window.steps > 1:  # every step of a window appends provisionally; its last one settles them all
+            self.scheduler.postprocess_provisional(scheduled, *provisional(sample_rank, self.rank, tokens, logprobs))
+        ended: list[Request] = []
+        if window.is_over:
+            all_tokens, all_logprobs = self._gather_samples(sample_rank, *window.held(), batch.num_tokens)  # [K, S]
+            ended = (self._postprocess(scheduled, all_tokens[0], all_logprobs[0]) if window.steps == 1
+                     else self._settle(scheduled, all_tokens, all_logprobs))
+        step = _Step(int(sample_rank.shape[0]), ended)
         if order is not None:
             retire_source_pages(self.scheduler.placement, order[1])
         self.num_steps += 1
@@ -390,11 +430,12 @@ class Engine:
                           drafted=record["draft_tokens"] > 0)
 
     def _sample(self, scheduled: list[ScheduledSeq], batch: ForwardBatch,
-                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's tokens and logprobs [S] on every rank, in scheduled order: one per sampling
-        chunk, one per follower forked off it (it samples from its leader's last prompt row with its
-        own seed), one per verified row. This rank draws those of the rows ``sampling_ranks`` gives it
-        from ``logits`` [r, vocab]; one all-gather brings the rest."""
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's samples, in scheduled order: one per sampling chunk, one per follower forked off
+        it (it samples from its leader's last prompt row with its own seed), one per verified row.
+        This rank draws those of the rows ``sampling_ranks`` gives it from ``logits`` [r, vocab].
+        Returns (sample_rank [S] int64: the rank drawing each sample, tokens [s] int64 and logprobs
+        [s] of this rank's, in order)."""
         specs, draws, rows = [], [], []
         row = 0
         for seq in scheduled:
@@ -421,29 +462,32 @@ class Engine:
             tokens, logprobs = tokens.cpu(), logprobs.cpu()
         else:
             tokens, logprobs = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
-        if self.world_size == 1:
-            return tokens, logprobs
-        return self._gather_samples(sample_rank, tokens, logprobs, batch.num_tokens)
+        return sample_rank, tokens, logprobs
 
     def _gather_samples(self, sample_rank: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
                         rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's sampled (token, logprob) pairs [S] in scheduled order, from this rank's and one
-        all-gather. Each rank's piece starts with what its replica scheduled (samples, query rows):
-        replicas that disagree raise here, naming both counts, before any token is applied."""
-        counts = torch.bincount(sample_rank, minlength=self.world_size).tolist()
+        """Every rank's sampled tokens and logprobs [K, S] in scheduled order, from this rank's
+        (tokens / logprobs [K, s]: the K steps of its window) and one all-gather. Each rank's piece
+        starts with what its replica scheduled (samples, query rows): replicas that disagree raise
+        here, naming both counts, before any token is applied."""
+        if self.world_size == 1:
+            return tokens, logprobs
+        steps = tokens.shape[0]
+        counts = [steps * c for c in torch.bincount(sample_rank, minlength=self.world_size).tolist()]
         mine = torch.cat([torch.tensor([[float(sample_rank.shape[0]), float(rows)]], dtype=torch.float64),
-                          torch.stack([tokens.double(), logprobs.double()], dim=1)])  # [1 + s, 2]
-        got = self.comm.all_gather_uneven(mine, [c + 1 for c in counts], tag="step/tokens")  # [T + S, 2]
+                          torch.stack([tokens.double(), logprobs.double()], dim=-1).reshape(-1, 2)])  # [1 + Ks, 2]
+        got = self.comm.all_gather_uneven(mine, [c + 1 for c in counts], tag="step/tokens")  # [T + KS, 2]
         starts = np.cumsum([0] + [c + 1 for c in counts])[:-1]
         for q, at in enumerate(starts.tolist()):
             if q != self.rank and not torch.equal(got[at], mine[0]):
                 raise RuntimeError(f"rank {self.rank}: scheduler replica diverged from rank {q}'s in step "
                                    f"{self.num_steps}: it sampled {int(mine[0, 0])} tokens over {rows} rows, "
                                    f"rank {q} {int(got[at, 0])} over {int(got[at, 1])}")
-        body = torch.cat([got[at + 1: at + 1 + c] for at, c in zip(starts.tolist(), counts)])  # [S, 2] rank order
+        body = torch.cat([got[at + 1: at + 1 + c].reshape(steps, -1, 2)
+                          for at, c in zip(starts.tolist(), counts)], dim=1)  # [K, S, 2] rank order
         pairs = torch.empty_like(body)
-        pairs[torch.argsort(sample_rank, stable=True)] = body  # scheduled order
-        return pairs[:, 0].long(), pairs[:, 1].to(logprobs.dtype)
+        pairs[:, torch.argsort(sample_rank, stable=True)] = body  # scheduled order
+        return pairs[..., 0].long(), pairs[..., 1].to(logprobs.dtype)
 
     def _batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         """This rank's ForwardBatch: O(B) Python plus tensor ops on the device."""
@@ -495,6 +539,13 @@ class Engine:
 
     def _postprocess(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
         ended = self.scheduler.postprocess(scheduled, tokens.cpu(), logprobs.cpu())
+        for r in ended:
+            self.block_table.release(r.request_id)
+        return ended
+
+    def _settle(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
+        """A token window closes with every rank's tokens / logprobs [K, S]."""
+        ended = self.scheduler.settle(scheduled, tokens, logprobs)
         for r in ended:
             self.block_table.release(r.request_id)
         return ended

@@ -159,6 +159,15 @@ class LayoutDriver:
             return None
         return want
 
+    def quiet_steps(self, step: int) -> int | None:
+        """Steps from ``step`` (the one about to run) in which the driver will not switch: up to the
+        next scheduled switch; 1 while a switch waits to be retried; None when nothing is due. The
+        policy is consulted only where the engine meets it at a boundary."""
+        if self.pending is not None:
+            return 1
+        later = [s for s in self.switch_schedule if s > step]
+        return min(later) - step if later else None
+
     def switched(self) -> None:
         self.pending = None
         self._switched = True

@@ -149,3 +149,21 @@ class Request:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.spec.max_new_tokens or self.num_tokens >= self.max_len:
             self.finish_reason = "length"
+
+    def append_provisional(self, token: int, logprob: float) -> None:
+        """Inside a token window (engine/token_window.py): record a token without deciding anything;
+        ``settle`` replaces it when the window closes. A refusal (negative) is held as token 0."""
+        self.output_ids.append(max(token, 0))
+        self.output_logprobs.append(logprob)
+
+    def settle(self, tokens: list[int], logprobs: list[float]) -> int:
+        """A window closes: take back the last ``len(tokens)`` provisional tokens and append the real
+        ones in order, as ``append_token`` would have one step at a time, up to the first that ends the
+        request. Returns how many were dropped after that one."""
+        del self.output_ids[len(self.output_ids) - len(tokens):]
+        del self.output_logprobs[len(self.output_logprobs) - len(tokens):]
+        for j, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            self.append_token(token, logprob)
+            if self.finish_reason is not None:
+                return len(tokens) - j - 1
+        return 0

@@ -464,6 +464,31 @@ class Scheduler:
                     finished.append(req)
         return finished
 
+    def postprocess_provisional(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor,
+                                logprobs: torch.Tensor) -> None:
+        """A step inside a token window (engine/token_window.py): every scheduled one-row decode
+        computed its row and holds ``tokens[i]`` [S] provisionally; nothing finishes until ``settle``."""
+        for s, token, logprob in zip(scheduled, tokens.tolist(), logprobs.tolist()):
+            s.request.num_computed_tokens += s.num_new
+            s.request.append_provisional(token, logprob)
+        self.written += len(scheduled)
+
+    def settle(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
+        """A token window closes: tokens / logprobs [K, S] are what each of the window's K steps
+        sampled for each scheduled request (every replica holds them now). Each request's K
+        provisional tokens become the real ones under the usual stop rule; returns the finished."""
+        finished = []
+        for s, row_tokens, row_logprobs in zip(scheduled, tokens.t().tolist(), logprobs.t().tolist()):
+            req = s.request
+            req.settle(row_tokens, row_logprobs)
+            if self.drafter is not None:
+                self.drafter.observe(req, 0, 0)
+            if req.finish_reason is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, max(req.num_tokens - 1, 0))
+                self.finish(req, req.finish_reason)
+                finished.append(req)
+        return finished
+
     def _verify(self, s: ScheduledSeq, tokens: list[int], logprobs: list[float], k: int,
                 finished: list[Request]) -> int:
         """A drafted decode: tokens[k : k + 1 + len(draft)] are what each row sampled. Keep the sampled

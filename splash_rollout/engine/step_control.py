@@ -3,7 +3,8 @@
 Every rank runs the same scheduler replica -- admission, owners, page grants, chunked prefill and
 switch re-placement are deterministic functions of the requests and the tokens sampled so far --
 so the driver only sends what the other ranks cannot compute themselves: a switch it decided (the
-policy's choice, ``switch_layout`` or a schedule), the draft cap, and whether to stop. The sampled
+policy's choice, ``switch_layout`` or a schedule), the draft cap, whether to stop, and how many steps
+the message covers (a token window under DP-attention, engine/token_window.py). The sampled
 tokens are not in it: every rank samples its share of a step's rows and one all-gather at the end
 of the step brings every replica all of them (``Engine._gather_samples``, which also checks that the
 replicas scheduled the same). The message is a few hundred bytes whatever the batch or the context
@@ -31,6 +32,9 @@ class StepControl:
     """With ``stop``: the driver failed between steps; every rank raises with this reason."""
     draft_cap: int = 0
     """Most drafted tokens a decoding request verifies this step (0: none; engine/speculation_gate.py)."""
+    window: int = 1
+    """Steps the ranks run before the next message and the next exchange of sampled tokens (a token
+    window, engine/token_window.py; 1: this step only)."""
 
 
 def exchange(comm: Comm, control: StepControl | None) -> tuple[StepControl, int]:

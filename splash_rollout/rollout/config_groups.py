@@ -74,6 +74,13 @@ class ParallelOptions:
     feed-forward weights fit every rank) and runs it on its own rows: no per-layer collective under
     DP-attention, one all-gather elsewhere. Not with ``outputs.return_routing`` (a rank's router then
     sees only its rows)."""
+    decode_window: int = 8
+    """DP-attention: most steps the ranks decode their own requests between two exchanges of the
+    sampled tokens (1: they meet after every step). A window opens only where nothing but a stop can
+    change the batch inside it (every request decoding, none queued, no drafts, no switch due, no
+    length cap and no page shortage before its end); a request that stops inside one is cut at its
+    stop token when it closes, so the tokens are those of meeting every step. Longer windows wait less
+    for the slowest rank; the layout policy and ``abort`` are heard at window ends."""
 
     def __post_init__(self) -> None:
         from splash_rollout.layout import FEED_FORWARD_PLACEMENTS, Layout
@@ -84,6 +91,8 @@ class ParallelOptions:
             Layout.parse(self.layout, "layout")
         if self.feed_forward not in FEED_FORWARD_PLACEMENTS:
             raise ValueError(f"feed_forward: expected one of {FEED_FORWARD_PLACEMENTS}, got {self.feed_forward!r}")
+        if not _is_int(self.decode_window) or self.decode_window < 1:
+            raise ValueError(f"decode_window: expected a positive integer, got {self.decode_window!r}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
         for step, name in (self.switch_schedule or {}).items():

@@ -223,7 +223,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           admission=AdmissionSettings(mode=memory.admission), prefix_sharing=memory.prefix_sharing,
                           return_routing=config.outputs.return_routing,
                           cpu_share=config.compute.cpu_share, driver=config.driver,
-                          speculation=config.compute.speculation, feed_forward=config.parallel.feed_forward)
+                          speculation=config.compute.speculation, feed_forward=config.parallel.feed_forward,
+                          decode_window=config.parallel.decode_window)
 
 
 def rank_device(config, rank: int) -> str:

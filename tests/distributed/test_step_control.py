@@ -1,16 +1,19 @@
 """The driver's per-step message is a few hundred bytes: it carries no tokens (every rank samples its
 share of the rows and one all-gather brings the rest), never grows with batch or context length, and a
-switch adds bytes, not page tables. Replicas that scheduled differently stop with an error naming
-both counts before any token is applied (2 spawned ranks)."""
+switch adds bytes, not page tables. Under DP-attention the ranks meet once per token window, and the
+tokens, logprobs and finish reasons are those of meeting every step. Replicas that scheduled
+differently stop with an error naming both counts before any token is applied (2 spawned ranks)."""
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.step_overhead import admit_as_decoding, warm_requests
 from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
+from splash_rollout.models.numerics import numerics
 
 PAGE = 16
 # one small layer: the message does not depend on the model, the KV of 256 x 8192 tokens must fit
@@ -23,7 +26,7 @@ def decode_steps(ctx, batch: int, context: int, switch_to: str | None = None) ->
     DP-attention (a switch to ``switch_to`` requested before the third). Rank 0: the step log."""
     pages = -(-batch // ctx.world_size) * (-(-(context + 16) // PAGE)) + batch
     settings = EngineSettings(layout=Layout.DP, num_pages=pages, page_size=PAGE, max_num_batched_tokens=batch,
-                              max_num_seqs=batch)
+                              max_num_seqs=batch, decode_window=1)  # a message before every step
     engine = Engine(MLAForCausalLM.from_config(CFG, seed=0).eval(), CFG, ctx.groups, settings)
     admit_as_decoding(engine.scheduler, warm_requests(CFG, batch, context))
     engine.serve([], max_steps=2)
@@ -68,3 +71,39 @@ def test_replicas_that_scheduled_differently_stop_with_both_counts(group2):
     assert "rank 0: scheduler replica diverged from rank 1's in step 0: it sampled 8 tokens over 8 rows, " \
            "rank 1 7 over 7" in errors[0]
     assert "rank 1: scheduler replica diverged from rank 0's" in errors[1]
+
+
+def stopping_requests() -> list[Request]:
+    """12 sampled requests of different lengths whose stop tokens end most of them early, at steps no
+    window boundary knows in advance."""
+    return [Request(i, [3 + (7 * i + k) % 500 for k in range(5 + 7 * i)],
+                    SamplingSpec(temperature=1.0, max_new_tokens=30 + i, stop_token_ids=tuple(range(3, 10)),
+                                 seed=50 + i), CFG.max_position_embeddings) for i in range(12)]
+
+
+def windowed_run(ctx, window: int):
+    """Every rank: DP-attention serves ``stopping_requests`` with token windows of at most ``window``
+    steps (reproducible numerics: a row's result does not depend on the batch). Rank 0: the outputs,
+    the finish reasons, the steps that carried a control message, and the pages left in use."""
+    settings = EngineSettings(layout=Layout.DP, num_pages=128, page_size=PAGE, max_num_batched_tokens=96,
+                              max_num_seqs=16, decode_window=window)
+    with numerics("reproducible"):
+        engine = Engine(MLAForCausalLM.from_config(CFG, seed=0).eval(), CFG, ctx.groups, settings)
+        finished = engine.serve(stopping_requests())
+    if ctx.rank:
+        return None
+    return ({r.request_id: (r.output_ids, r.output_logprobs, r.finish_reason) for r in finished},
+            sum(1 for s in engine.step_log if s["control_bytes"]), len(engine.step_log),
+            engine.scheduler.placement.pages_in_use)
+
+
+def test_token_windows_give_the_tokens_of_meeting_every_step(group2):
+    every_step = group2.run(windowed_run, 1)[0]
+    windowed = group2.run(windowed_run, 8)[0]
+    outputs, messages, steps, pages_left = windowed
+    reasons = [reason for _, _, reason in outputs.values()]
+    assert reasons.count("stop") >= 4 and "length" in reasons  # stops inside windows, and caps
+    assert outputs == every_step[0]  # tokens, logprobs and finish reasons, bit for bit
+    assert every_step[1] == every_step[2]  # window 1: a message before every step
+    assert messages <= steps // 2  # windows: the ranks met at most every other step
+    assert pages_left == [0, 0]

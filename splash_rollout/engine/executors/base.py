@@ -41,6 +41,10 @@ class AttentionExecutor(abc.ABC):
     rank = 0
     """This rank's index in its layout (the single-rank executor: 0)."""
 
+    inputs_stay_local = False
+    """Whether a rank's next step reads only the tokens it sampled itself (its rows are its own
+    requests'), so the ranks may decode a token window between exchanges (engine/token_window.py)."""
+
     def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
         """[R] int64: the rank that computes the logits of each of ``batch.sample_rows`` and samples
         it. One rank here: all of them."""

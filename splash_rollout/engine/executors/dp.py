@@ -28,6 +28,8 @@ def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, l
 
 
 class DPExecutor(RankExecutor):
+    inputs_stay_local = True  # a rank samples and feeds back only its own requests' tokens
+
     def local_rows(self, batch: ForwardBatch) -> torch.Tensor:
         return batch.owned_by(self.s.view.rank)[1]
 
