@@ -14,6 +14,10 @@ the sampled tokens brings every replica the whole step. A step then reads like t
     logits = forward(batch of scheduled) # this rank's part, through its layout's executor
     sample (this rank's rows), gather every rank's, postprocess   # every rank, the same tokens
 
+Under DP-attention a control message may open a token window of K steps (engine/token_window.py):
+the ranks run K such steps with no message and no gather between them, each appending its own
+tokens for real and the others' provisionally, and one all-gather after the K-th settles them all.
+
 Each rank holds only its share of the weights: the switchable projections of its layout's head
 slice (``ProjectionShard``), its feed-forward shard, and the replicated rest.
 """
