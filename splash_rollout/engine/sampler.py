@@ -15,7 +15,8 @@ Conventions (the rollout/trainer contract):
   then min-p (drop tokens below ``min_p * p_max``). Each rule is a probability threshold, so tokens
   tied with the last kept one are kept too.
 * Softmax, truncation and CDF accumulate in ``models.numerics.acc_dtype()`` (float64 under
-  reproducible numerics).
+  reproducible numerics). Under fast numerics a CPU batch without truncation takes one native call
+  (``native/sample_rows.py``): the same distribution and draw, its sums taken in another order.
 * Non-finite logits: a row whose tempered logits hold a NaN or +inf (or no finite value at all) is
   refused, never sampled: its token is ``NO_TOKEN`` (-1) and its logprob NaN. -inf is a mask
   (probability 0) and is fine. The engine ends such a request with
@@ -33,7 +34,8 @@ import torch
 
 from splash_rollout.engine.random_draws import to_int64, uniform
 from splash_rollout.engine.request import SamplingSpec
-from splash_rollout.models.numerics import acc_dtype
+from splash_rollout.models.numerics import acc_dtype, numerics_mode
+from splash_rollout.native.sample_rows import sample_plain
 
 NO_TOKEN = -1
 """The token of a refused row (its logits were not finite)."""
@@ -147,6 +149,16 @@ def usable_rows(scaled: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [R, V] -> (tokens [R] int64, logprobs [R] float32), one row per request; rows that
     ``usable_rows`` refuses get ``NO_TOKEN`` and a NaN logprob."""
+    if not params.truncates and numerics_mode() == "fast":
+        got = sample_plain(logits, params.temperature, uniform(params.seed, params.draw_index), params.greedy)
+        if got is not None:
+            return got
+    return sample_torch(logits, params)
+
+
+def sample_torch(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` in torch ops, every rule (the path of truncated batches, reproducible numerics and
+    other devices)."""
     logits = logits.float()
     scaled = (logits / params.temperature[:, None]).to(acc_dtype())  # [R, V]; float64 under reproducible
     usable = usable_rows(scaled)  # [R]

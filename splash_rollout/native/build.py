@@ -97,6 +97,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.splash_rms_norm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_double, ptr]
     lib.splash_rope.restype = ctypes.c_int
     lib.splash_rope.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr]
+    lib.splash_sample_rows.restype = ctypes.c_int
+    lib.splash_sample_rows.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr]
 
 
 def load_native() -> ctypes.CDLL:

@@ -45,24 +45,7 @@ template <> inline bf16 narrow<bf16>(float f) {  // round to nearest even; NaN s
 
 template <typename T> inline float round_to(float f) { return widen(narrow<T>(f)); }
 
-// 16 elements of T as floats, and back.
-template <typename T> inline f16v load16(const T* p);
-template <> inline f16v load16<float>(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <> inline f16v load16<bf16>(const bf16* p) {
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f16v f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
-
+// 16 elements of T as floats (load16, simd.h), and back.
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 // Each lane rounded to T's precision (kept as float), and 16 lanes stored as T.

@@ -74,30 +74,6 @@ template <typename Acc> inline Acc hsum(typename Vec<Acc>::type v) {
 }
 
 
-// exp of 16 floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts) and p
-// the degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~1e-7, about one ulp). Below
-// -87.3 (where expf underflows, and for the -inf of a masked key) the result is exactly 0.
-inline Vec<float>::type exp16(Vec<float>::type x) {
-  typedef Vec<float>::type V;
-  typedef int32_t I __attribute__((vector_size(64)));
-  const V lo = V{} - 87.3f, hi = V{} + 88.7f;
-  const V xc = x < lo ? lo : (x > hi ? hi : x);
-  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const V r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  V p = V{} + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &bits, sizeof(V));
-  const V y = p * scale;
-  return x < lo ? V{} : y;
-}
-
 // l[k] = exp(l[k] - shift) for k < n; returns their sum (float accumulation, 16 lanes then a scalar tail).
 inline float exp_shifted(float* l, int64_t n, float shift) {
   typedef Vec<float>::type V;

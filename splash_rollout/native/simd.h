@@ -1,8 +1,9 @@
-// Vector helpers shared by the native kernels (paged_mla.cpp, small_matmul.h): the 16-lane float
-// vector, bfloat16 storage, a register pin for loaded vectors, an L2 prefetch and sixteen
-// horizontal sums at once.
+// Vector helpers shared by the native kernels (paged_mla.cpp, small_matmul.h, fused_rows.cpp,
+// sample_rows.cpp): the 16-lane float vector, bfloat16 storage, a register pin for loaded vectors, an
+// L2 prefetch, sixteen horizontal sums at once, a 16-lane exp and 16-element loads.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -46,6 +47,48 @@ inline f16v hsum16(const f16v* v) {
   }
   return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// exp of 16 floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts) and p
+// the degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~1e-7, about one ulp). Below
+// -87.3 (where expf underflows, and for the -inf of a masked key) the result is exactly 0.
+inline f16v exp16(f16v x) {
+  typedef f16v V;
+  typedef int32_t I __attribute__((vector_size(64)));
+  const V lo = V{} - 87.3f, hi = V{} + 88.7f;
+  const V xc = x < lo ? lo : (x > hi ? hi : x);
+  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const V r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  V p = V{} + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(V));
+  const V y = p * scale;
+  return x < lo ? V{} : y;
+}
+
+// 16 consecutive elements of T (float or bfloat16) as floats.
+template <typename T> inline f16v load16(const T* p);
+template <> inline f16v load16<float>(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <> inline f16v load16<bf16>(const bf16* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f16v f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
 }
 
 }  // namespace

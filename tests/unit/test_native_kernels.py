@@ -1,13 +1,17 @@
-"""The native few-row kernels (small products, routed experts) against float64 references and the
-torch paths they stand in for; where they must not apply, they decline (None) instead of guessing."""
+"""The native few-row kernels (small products, routed experts) and the native sampler against float64
+references and the torch paths they stand in for; where they must not apply, they decline (None) instead of guessing."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from splash_rollout.engine.random_draws import uniform
+from splash_rollout.engine.request import SamplingSpec
+from splash_rollout.engine.sampler import NO_TOKEN, SamplingBatch, sample, sample_torch
 from splash_rollout.models.moe import DenseMLP, run_experts
 from splash_rollout.models.numerics import head_matmul, linear, numerics
 from splash_rollout.native import routed_experts as routed_module
 from splash_rollout.native.routed_experts import routed_experts
+from splash_rollout.native.sample_rows import sample_plain
 from splash_rollout.native import native_available
 from splash_rollout.native.small_matmul import MAX_ROWS, small_matmul
 
@@ -96,3 +100,64 @@ def test_routed_experts_decline_autograd_and_wide_batches():
         n = routed_module.MAX_ROWS + 1
         wide = torch.randn(n, 16)
         assert routed_experts(wide, torch.zeros(n, 2, dtype=torch.int64), torch.rand(n, 2), experts, 0) is None
+
+
+def _plain_batch(rows: int, temperature: float, seed0: int = 0) -> SamplingBatch:
+    specs = [SamplingSpec(temperature=temperature, max_new_tokens=8, seed=seed0 + i) for i in range(rows)]
+    return SamplingBatch.make(specs, [i % 5 for i in range(rows)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+@pytest.mark.parametrize("vocab", [4096, 1003])  # 1003: a tail past the last 16-wide chunk
+def test_native_sampler_draws_the_torch_paths_tokens(dtype, temperature, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (3 * torch.randn(96, vocab, generator=g)).to(dtype)
+    params = _plain_batch(96, temperature)
+    got = sample_plain(logits, params.temperature, uniform(params.seed, params.draw_index), params.greedy)
+    assert got is not None
+    ref_tokens, ref_logprobs = sample_torch(logits, params)
+    assert torch.equal(got[0], ref_tokens)
+    assert got[1].dtype == torch.float32 and float((got[1] - ref_logprobs).abs().max()) < 1e-5
+    tokens, _ = sample(logits, params)  # fast numerics: sample() takes the kernel
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_native_sampler_refuses_non_finite_rows_and_never_draws_a_masked_token():
+    logits = torch.randn(5, 300)
+    logits[0, 7] = float("nan")
+    logits[1, 299] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, :290] = float("-inf")  # only the last ten tokens (inside the scalar tail) are possible
+    logits[4, 1::2] = float("-inf")
+    params = _plain_batch(5, 1.0, seed0=11)
+    tokens, logprobs = sample_plain(logits, params.temperature, uniform(params.seed, params.draw_index),
+                                    params.greedy)
+    assert tokens[:3].tolist() == [NO_TOKEN] * 3 and torch.isnan(logprobs[:3]).all()
+    assert 290 <= int(tokens[3]) < 300 and int(tokens[4]) % 2 == 0
+    ref_tokens, ref_logprobs = sample_torch(logits, params)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.allclose(logprobs[3:], ref_logprobs[3:], atol=1e-6)
+
+
+def test_native_sampler_greedy_takes_the_first_of_tied_maxima():
+    logits = torch.zeros(2, 64)
+    logits[0, [5, 40]] = 2.0
+    logits[1, [17, 33]] = 2.0
+    params = _plain_batch(2, 0.0)
+    tokens, logprobs = sample_plain(logits, params.temperature, uniform(params.seed, params.draw_index),
+                                    params.greedy)
+    assert tokens.tolist() == [5, 17]
+    assert torch.allclose(logprobs, sample_torch(logits, params)[1], atol=1e-6)
+
+
+def test_sampler_keeps_the_torch_path_where_the_kernel_must_not_apply():
+    logits = torch.randn(4, 512)
+    params = _plain_batch(4, 1.0)
+    with numerics("reproducible"):  # float64 sums: the torch path, bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(sample(logits, params), sample_torch(logits, params)))
+    truncated = SamplingBatch.make([SamplingSpec(temperature=1.0, max_new_tokens=8, top_k=3, seed=i) for i in range(4)],
+                                   [0] * 4)
+    assert all(torch.equal(a, b) for a, b in zip(sample(logits, truncated), sample_torch(logits, truncated)))
+    assert sample_plain(logits.half(), params.temperature, uniform(params.seed, params.draw_index),
+                        params.greedy) is None
