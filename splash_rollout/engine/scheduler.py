@@ -222,8 +222,10 @@ class Scheduler:
         plan = self._fit(plan)
         budget = self.max_num_batched_tokens - sum(n for _, n in plan)
         out = [self._take(req, n) for req, n in plan]
-        room = [f - p for f, p in zip(self.placement.pages_free, self.pages_promised())]
+        room = None  # pages free beyond the running requests' promises: counted only if someone may join
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if room is None:
+                room = [f - p for f, p in zip(self.placement.pages_free, self.pages_promised())]
             if self.retracted and self.waiting.head() in self.retracted:
                 break  # what this step just gave back is not taken again in the same step
             seq = self._admit(self.waiting.head(), room, budget)
