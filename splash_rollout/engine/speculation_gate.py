@@ -35,7 +35,9 @@ requests: what an extra row costs depends on how many there are; exponential ave
 1); a drafted step's price is scaled by how much more than θ drafted steps of that width have cost
 than plain ones. Until each kind has been measured ``min_observed`` times at a width, one step in
 ``explore_every`` runs the kind the gate did not choose (the tokens are the same either way; only
-time is at stake). Where the batch is wide, a row costs about what a token is worth and the
+time is at stake) -- a drafted one only while the drafter is expected to have a draft for at least
+one of the step's requests (hit rate x decoding requests >= 1): a step asked for drafts that gets
+none runs plain, measures nothing and would be asked again every ``explore_every`` steps. Where the batch is wide, a row costs about what a token is worth and the
 answer is 0; as it drains a step's fixed cost dominates, extra rows are nearly free and drafts pay.
 The cap is decided on rank 0 and sent to every rank in the step's control message, so every
 scheduler replica drafts alike. A change of cap is logged with its reason (``log``).
@@ -226,7 +228,8 @@ class SpeculationGate:
         other = 0 if choice.cap else min(2, self.max_draft)
         seen = self.observed.get((self.width(context.size), bool(other)), 0)
         if (context.size and not prefill_rows and seen < self.min_observed
-                and step - self._explored_at >= self.explore_every):
+                and step - self._explored_at >= self.explore_every
+                and (not other or self.hit_rate() * context.size >= 1)):
             self._explored_at = step  # measure the kind not chosen: what the correction needs
             return GateChoice(other, f"measuring a {'drafted' if other else 'plain'} step", choice.tokens_per_s)
         return choice

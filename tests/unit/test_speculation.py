@@ -311,6 +311,29 @@ def test_the_gate_measures_the_kind_of_step_it_did_not_choose():
     assert all(gate.choose(step, np.full(2, 50), **lockstep).cap > 0 for step in range(12, 24))
 
 
+def test_the_gate_does_not_explore_drafts_the_drafter_has_none_for():
+    """A wide batch whose requests got no draft when asked: exploring it again would ask all of them
+    every few steps for nothing (and, under DP-attention, end every token window there)."""
+    from splash_rollout.engine.drafter import DraftStats
+    from splash_rollout.engine.speculation_gate import SpeculationGate
+
+    stats = DraftStats()
+    gate = SpeculationGate(lambda step: 0.010, stats, max_draft=4, min_observed=2, explore_every=4,
+                           prior_alpha=0.1)  # θ keeps drafts off at 256 requests
+    lockstep = dict(queued=0, tokens_left=np.full(256, 100))
+    wide = np.full(256, 50)
+    caps = [gate.choose(step, wide, **lockstep).cap for step in range(4)]
+    assert caps == [2, 0, 0, 0]  # the first exploration: nothing measured yet, half the requests expected to draft
+    stats.asked += 256  # ... but none of them got a draft
+    assert all(gate.choose(step, wide, **lockstep).cap == 0 for step in range(4, 40))
+    stats.asked += 64
+    stats.drafted_requests += 48  # a later call whose samples do draft: exploring pays again
+    gate.new_call()
+    stats.asked += 16
+    stats.drafted_requests += 12
+    assert any(gate.choose(step, wide, **lockstep).cap > 0 for step in range(40, 48))
+
+
 def test_while_requests_wait_the_gate_keeps_the_kind_of_step_that_measured_faster():
     from splash_rollout.engine.drafter import DraftStats
     from splash_rollout.engine.speculation_gate import SpeculationGate
