@@ -128,10 +128,6 @@ class EngineSettings:
     """DP-attention on T > 1 ranks: most steps the ranks decode between two exchanges of sampled tokens
     (a token window, engine/token_window.py, where nothing but a stop can change the batch); 1: every step."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.decode_window, int) or self.decode_window < 1:
-            raise ValueError(f"decode_window: expected a positive integer, got {self.decode_window!r}")
-
     @property
     def initial_pages(self) -> int:
         return self.pages_by_layout[self.layout] if self.pages_by_layout else self.num_pages
@@ -395,8 +391,7 @@ class Engine:
         ended: list[Request] = []
         if window.is_over:
             all_tokens, all_logprobs = self._gather_samples(sample_rank, *window.held(), batch.num_tokens)  # [K, S]
-            ended = (self._postprocess(scheduled, all_tokens[0], all_logprobs[0]) if window.steps == 1
-                     else self._settle(scheduled, all_tokens, all_logprobs))
+            ended = self._apply_samples(scheduled, all_tokens, all_logprobs)
         step = _Step(int(sample_rank.shape[0]), ended)
         if order is not None:
             retire_source_pages(self.scheduler.placement, order[1])
@@ -541,15 +536,12 @@ class Engine:
         pool_pages = by_layout[dst] if by_layout else None
         return SwitchOrder(result.src, dst, result.moves, blocking, pool_pages), result
 
-    def _postprocess(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
-        ended = self.scheduler.postprocess(scheduled, tokens.cpu(), logprobs.cpu())
-        for r in ended:
-            self.block_table.release(r.request_id)
-        return ended
-
-    def _settle(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
-        """A token window closes with every rank's tokens / logprobs [K, S]."""
-        ended = self.scheduler.settle(scheduled, tokens, logprobs)
+    def _apply_samples(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor,
+                       logprobs: torch.Tensor) -> list[Request]:
+        """Every rank's tokens / logprobs [K, S] into the replica -- one step's, or a token window's K
+        settled at its close -- and the ended requests' block-table rows released."""
+        ended = (self.scheduler.postprocess(scheduled, tokens[0], logprobs[0]) if tokens.shape[0] == 1
+                 else self.scheduler.settle(scheduled, tokens, logprobs))
         for r in ended:
             self.block_table.release(r.request_id)
         return ended

@@ -90,12 +90,12 @@ class TokenWindow:
     def check_step(self, scheduled: list[ScheduledSeq], retracted: bool) -> None:
         """Inside a window every step is the same one-row decode of the same requests: anything else
         means the replicas could no longer agree without a meeting, so it is refused loudly."""
+        if self.steps == 1:
+            return
         if self.width is None:
             self.width = len(scheduled)
-            if self.steps == 1:
-                return
-        if self.steps > 1 and (len(scheduled) != self.width or retracted
-                               or any(s.num_new != 1 or s.draft or s.forks or not s.samples for s in scheduled)):
+        if (len(scheduled) != self.width or retracted
+                or any(s.num_new != 1 or s.draft or s.forks or not s.samples for s in scheduled)):
             raise RuntimeError(f"token window: step {self.done + 1} of {self.steps} changed the batch "
                                f"({len(scheduled)} scheduled, {self.width} expected; retracted: {retracted}); "
                                f"window_steps let a window open that the scheduler did not keep")

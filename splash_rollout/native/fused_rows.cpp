@@ -26,13 +26,6 @@
 
 namespace {
 
-inline float widen(float v) { return v; }
-inline float widen(bf16 v) {
-  const uint32_t bits = (uint32_t)v << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 template <typename T> inline T narrow(float f);
 template <> inline float narrow<float>(float f) { return f; }

@@ -29,15 +29,6 @@ struct RowStats {
   bool usable;
 };
 
-template <typename T> inline float widen1(const T* p);  // one element of T as a float
-template <> inline float widen1<float>(const float* p) { return *p; }
-template <> inline float widen1<bf16>(const bf16* p) {
-  const uint32_t bits = (uint32_t)(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // Passes 1 and 2: the largest z, whether the row is usable, and the sum of exp(z - max).
 template <typename T> RowStats row_stats(const T* x, int64_t vocab, float temperature) {
   const float inf = std::numeric_limits<float>::infinity();
@@ -57,7 +48,7 @@ template <typename T> RowStats row_stats(const T* x, int64_t vocab, float temper
     bad |= bad_lanes[l] != 0;
   }
   for (; i < vocab; ++i) {
-    const float z = widen1<T>(x + i) / temperature;
+    const float z = widen(x[i]) / temperature;
     bad |= std::isnan(z) || z == inf;
     m = z > m ? z : m;
   }
@@ -67,7 +58,7 @@ template <typename T> RowStats row_stats(const T* x, int64_t vocab, float temper
   for (; i + 16 <= vocab; i += 16) acc += exp16(load16<T>(x + i) / temperature - m);
   double s = 0;
   for (int l = 0; l < 16; ++l) s += acc[l];
-  for (; i < vocab; ++i) s += std::exp(widen1<T>(x + i) / temperature - m);
+  for (; i < vocab; ++i) s += std::exp(widen(x[i]) / temperature - m);
   return {m, s, true};
 }
 
@@ -96,7 +87,7 @@ template <typename T> int64_t draw(const T* x, int64_t vocab, float temperature,
     }
   }
   for (; i < vocab; ++i) {
-    const float e = std::exp(widen1<T>(x + i) / temperature - m);
+    const float e = std::exp(widen(x[i]) / temperature - m);
     mass += e;
     if (e > 0) last_positive = i;
     if (mass > target) return i;
@@ -106,7 +97,7 @@ template <typename T> int64_t draw(const T* x, int64_t vocab, float temperature,
 
 template <typename T> int64_t argmax_first(const T* x, int64_t vocab, float temperature, float m) {
   for (int64_t i = 0; i < vocab; ++i)
-    if (widen1<T>(x + i) / temperature == m) return i;
+    if (widen(x[i]) / temperature == m) return i;
   return 0;
 }
 
@@ -126,7 +117,7 @@ template <typename T> void sample_rows(int64_t rows, int64_t vocab, const T* log
     const int64_t token = greedy[r] ? argmax_first<T>(x, vocab, t, st.max)
                                     : draw<T>(x, vocab, t, st.max, uniform[r] * st.sum);
     tokens[r] = token;
-    logprobs[r] = (float)((double)(widen1<T>(x + token) / t - st.max) - std::log(st.sum));
+    logprobs[r] = (float)((double)(widen(x[token]) / t - st.max) - std::log(st.sum));
   }
 }
 

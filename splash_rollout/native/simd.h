@@ -1,6 +1,6 @@
 // Vector helpers shared by the native kernels (paged_mla.cpp, small_matmul.h, fused_rows.cpp,
 // sample_rows.cpp): the 16-lane float vector, bfloat16 storage, a register pin for loaded vectors, an
-// L2 prefetch, sixteen horizontal sums at once, a 16-lane exp and 16-element loads.
+// L2 prefetch, sixteen horizontal sums at once, a 16-lane exp, and element and 16-element loads.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -71,6 +71,15 @@ inline f16v exp16(f16v x) {
   std::memcpy(&scale, &bits, sizeof(V));
   const V y = p * scale;
   return x < lo ? V{} : y;
+}
+
+// One element of T (float or bfloat16) as a float.
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) {
+  const uint32_t bits = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // 16 consecutive elements of T (float or bfloat16) as floats.
