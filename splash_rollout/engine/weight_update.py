@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from splash_rollout.engine.parallel_mlp import DenseShard, ParallelFeedForward
+from splash_rollout.models.packed_linear import PACKED
 
 _ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj)\.weight$")
 _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)$")
@@ -137,3 +138,4 @@ def apply_update(model, shards, named: dict[str, torch.Tensor], rank: int, world
                 getattr(shard.gate, rest.split(".", 1)[1]).copy_(full)
             continue
         (params.get(name) if name in params else buffers[name]).copy_(full)
+    PACKED.clear()  # packed copies are of the old values; switch-built shards keep no version to tell

@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear; in reproducible mode accumulated in float64. The result has ``weight``'s dtype, or
     stays float64 with ``keep`` (a partial sum that a collective or a later sum completes).
     In fast mode a CPU product of a few rows takes the weight-streaming native kernel, and a float32
-    product of a prefill chunk's rows oneDNN over the weight packed once (``packed_linear``)."""
+    product of more rows oneDNN over the weight packed once (``packed_linear``)."""
     if _accumulate is None:
         few = x.dim() == 2 and x.shape[0] <= MAX_ROWS
         y = small_matmul(x, weight, bias) if few else packed_linear(x, weight, bias)

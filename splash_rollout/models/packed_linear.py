@@ -1,21 +1,29 @@
-"""Large float32 products on the CPU through oneDNN, with each weight packed once.
+"""float32 products on the CPU through oneDNN, with each weight packed once.
 
-Why it exists: a prefill chunk multiplies up to ``max_num_batched_tokens`` rows by every weight of
-the model, and those products were most of a float32 prefill step. torch's float32 ``F.linear``
-goes to MKL, which re-packs the weight on every call; oneDNN's matmul over a weight reordered once
-into its blocked layout runs the same products faster (development machine, AMD EPYC, 2 threads:
-2,048 x 512 x 1,024 at 194 GFLOP/s against MKL's 123-175), and in the engine a float32 prefill step
-of 2,048 rows took 750 ms instead of 813 (1.08x, 32 steps per arm alternated in one process).
-Not used below ``MIN_ROWS`` rows: a decode step of 256 rows measured no gain, and products whose
-row count changes every call (a MoE expert's share of a chunk) pay oneDNN's per-shape setup.
-bfloat16 is not packed: torch already sends it to oneDNN, and packing measured no gain.
+Why it exists: torch's float32 ``F.linear`` goes to MKL, which re-packs the weight on every call
+and, on the AMD Zen 5 machine the project now runs on, reaches a third to a half of oneDNN's speed
+over a weight reordered once into its blocked layout (2 threads, microseconds MKL / packed):
+256 x 512 x 256 (a MoE expert's share of a prefill chunk) 338 / 142; 256 x 512 x 1,024 (a decode
+step's query projection) 1,449 / 514; 32 x 512 x 4,096 (the LM head over 32 rows) 991 / 272. On
+the whole float32 wide benchmark (256 prompts, 64 new tokens, in-process, arms alternated) the
+products took 5.8 s instead of 7.2 s and the call 14.1 s instead of 15.5. So every float32 product
+with more rows than the few-rows native kernel takes (``MIN_ROWS``) is packed: decode steps,
+prefill chunks and the experts' shares of them. (On the previous machine only prefill-sized
+products gained, and the path started at 512 rows.)
+bfloat16 is not packed: torch already sends it to oneDNN, and packing measured 3-7 % at most.
+
+oneDNN makes a primitive per product shape (0.2-0.9 ms, cached: its primitive cache holds 1,024),
+so the first step at a new row count pays that once per weight shape.
 
 Fast numerics only (the caller checks): results differ from MKL's by float32 rounding order.
-The packed copy is made at a weight's first large product and kept beside it, keyed by the weight
-tensor and remade when its storage or version changes (a weight update ``copy_``s in place, which
-bumps the version; sleep and wake move the storage). Only tensors that own their storage are packed
-(model parameters and the shards a layout keeps), not views made per call. Each packed weight is one
-more copy of it: sleep drops them all (made again at the next large product after wake), and
+The packed copy is made at a weight's first product of ``MIN_ROWS`` rows or more and kept beside
+it, keyed by the weight tensor and remade when its storage or version changes (a ``copy_`` bumps
+the version; sleep and wake move the storage). The shards a live switch builds are inference
+tensors, whose in-place writes leave no version: the engine's weight update, the one writer of
+weights in place, drops every packed copy. Only tensors that own their storage are packed (model
+parameters and the shards a layout keeps), not views made per call. Each packed weight is one more
+copy of it (a float32 model's weights take twice their memory once it has run a batch of
+``MIN_ROWS`` rows): sleep drops them all (made again at the next such product after wake), and
 ``set_packed_weights(False)`` turns the path off and frees them.
 """
 from __future__ import annotations
@@ -24,8 +32,11 @@ import weakref
 
 import torch
 
-MIN_ROWS = 512
-"""Fewest activation rows sent to oneDNN (a prefill chunk, not a decode step)."""
+from splash_rollout.native.small_matmul import MAX_ROWS as SMALL_MATMUL_MAX_ROWS
+
+MIN_ROWS = SMALL_MATMUL_MAX_ROWS + 1
+"""Fewest activation rows sent to oneDNN: fewer go to the few-rows native kernel (``small_matmul``),
+which at 4-16 rows is level with oneDNN and has no per-shape setup."""
 
 
 def _onednn_linear_available() -> bool:
@@ -45,13 +56,16 @@ class PackedWeights:
     def __init__(self) -> None:
         self.enabled = ONEDNN_LINEAR
         self._packed: dict[int, tuple[weakref.finalize, int, int, torch.Tensor]] = {}
-        """id(weight) -> (its finalizer, data_ptr and version when packed, the packed copy)."""
+        """id(weight) -> (its finalizer, data_ptr and version when packed, the packed copy). An inference
+        tensor (a shard a live switch built inside a serving step) has no version counter: its version
+        reads -1, and the engine's weight update, the one place that writes weights in place, drops
+        every packed copy instead (``clear``)."""
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight`` [N, K], made or remade as its storage and version require."""
         key = id(weight)
         entry = self._packed.get(key)
-        stamp = (weight.data_ptr(), weight._version)
+        stamp = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
         if entry is not None and entry[1:3] == stamp:
             return entry[3]
         # one finalizer per entry, kept while the entry is remade: the entry goes with the weight, so

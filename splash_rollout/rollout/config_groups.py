@@ -221,11 +221,11 @@ class ComputeOptions:
     pages instead of fresh ones the kernel faults in and zeroes: 1.10-1.22x tokens/s measured on a
     wide batch. The heap then holds up to 1 GiB it no longer uses. Set False to leave malloc alone."""
     pack_weights: bool = True
-    """On CPU with fast numerics: float32 products of at least 512 rows (prefill chunks) go to oneDNN
-    over a copy of the weight packed once for it, instead of MKL re-packing it every call: 1.08x a
-    float32 prefill step measured. Costs one more copy of each weight that meets such a product (the
-    attention projections and dense FFNs; not routed experts, whose share of a chunk is smaller).
-    Process-wide (models/packed_linear.py). Set False to keep torch's path and no copies."""
+    """On CPU with fast numerics: float32 products of more than 16 rows (decode steps, prefill chunks,
+    experts' shares of them) go to oneDNN over a copy of the weight packed once for it, instead of MKL
+    re-packing it every call: 2-3x per product, the float32 wide call's products 5.8 s instead of 7.2
+    measured. Costs one more copy of every float32 weight. Process-wide (models/packed_linear.py).
+    Set False to keep torch's path and no copies."""
 
     def __post_init__(self) -> None:
         from splash_rollout.engine.attention import available_backends

@@ -11,7 +11,7 @@ places apply the same ``compute`` options the same way.
   256 MiB keeps freed blocks in the heap for the next step. Measured on the wide workload of
   ``benchmarks/peer_engines.py`` (T = 1, float32, glibc malloc): 1.10-1.22x tokens/s in alternated
   rounds. Not glibc (musl, macOS) or an allocator preloaded in its place (tcmalloc): nothing to do.
-* ``pack_weights``: large float32 products through oneDNN over weights packed once
+* ``pack_weights``: float32 products of more than a few rows through oneDNN over weights packed once
   (``models/packed_linear.py``).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The packed float32 path for prefill-sized products: same products as torch's, never stale.
+"""The packed float32 path for products of more than a few rows: same products as torch's, never stale.
 
 A packed copy is keyed by the weight tensor and must follow every way a weight changes in the
 engine: an in-place update (a weight sync ``copy_``s into it), new storage (sleep and wake), and the
@@ -34,7 +34,7 @@ def test_a_prefill_sized_product_equals_torchs_and_is_packed_once():
     assert torch.allclose(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     packed = PACKED.get(layer.weight)
     assert PACKED.get(layer.weight) is packed  # the same copy while the weight is unchanged
-    three_d = torch.randn(2, MIN_ROWS // 2, 64)
+    three_d = torch.randn(2, MIN_ROWS, 64)
     assert torch.allclose(layer(three_d), F.linear(three_d, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
@@ -63,7 +63,7 @@ def test_it_steps_aside_where_it_does_not_apply():
     layer = _layer()
     x = torch.randn(MIN_ROWS, 64)
     with torch.no_grad():
-        assert packed_linear(x[: MIN_ROWS - 1], layer.weight) is None  # a decode step's rows
+        assert packed_linear(x[: MIN_ROWS - 1], layer.weight) is None  # rows the few-rows kernel takes
         assert packed_linear(x.bfloat16(), layer.weight.bfloat16()) is None
         assert packed_linear(x, layer.weight[:32]) is None  # a view made per call
     assert packed_linear(x, layer.weight) is None  # autograd needs torch's op
@@ -98,3 +98,21 @@ def test_sleep_drops_the_packed_copies_and_wake_packs_again():
         assert len(PACKED) == 0
         restore_memory(offload, pool)
         assert torch.equal(layer(x), expected) and len(PACKED) == 1
+
+
+def test_a_switch_built_inference_weight_is_packed_and_a_weight_update_drops_the_copy():
+    from splash_rollout.engine.weight_update import apply_update
+
+    with torch.inference_mode():  # how a live switch builds a shard inside a serving step
+        weight = torch.randn(48, 64)
+        x = torch.randn(MIN_ROWS, 64)
+        assert torch.allclose(packed_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        assert PACKED.get(weight) is PACKED.get(weight)
+        weight.copy_(torch.randn(48, 64))  # no version to see; the update path says so instead
+    model = torch.nn.Module()
+    model.register_buffer("w", torch.zeros(2))
+    model.model = torch.nn.Module()
+    model.model.layers = []
+    apply_update(model, [], {"w": torch.ones(2)}, rank=0, world_size=1)
+    with torch.inference_mode():
+        assert torch.allclose(packed_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
