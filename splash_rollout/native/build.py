@@ -99,6 +99,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.splash_rope.argtypes = [ctypes.c_int, i64, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr]
     lib.splash_sample_rows.restype = ctypes.c_int
     lib.splash_sample_rows.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.splash_expanded_attention.restype = ctypes.c_int
+    lib.splash_expanded_attention.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, i64, ptr, i64, i64, ptr,
+                                              i64, i64, ptr, ptr, ptr, ptr, i64, ctypes.c_double, ptr]
 
 
 def load_native() -> ctypes.CDLL:

@@ -1,6 +1,7 @@
 // Vector helpers shared by the native kernels (paged_mla.cpp, small_matmul.h, fused_rows.cpp,
-// sample_rows.cpp): the 16-lane float vector, bfloat16 storage, a register pin for loaded vectors, an
-// L2 prefetch, sixteen horizontal sums at once, a 16-lane exp, and element and 16-element loads.
+// sample_rows.cpp, expanded_attention.cpp): the 16-lane float vector, bfloat16 storage, a register
+// pin for loaded vectors, an L2 prefetch, sixteen horizontal sums at once, a 16-lane exp, element
+// and 16-element loads, and rounding to bfloat16.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -80,6 +81,15 @@ inline float widen(bf16 v) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// A float rounded to bfloat16 (to nearest even; NaN stays NaN).
+inline bf16 float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (bf16)(bits >> 16);
 }
 
 // 16 consecutive elements of T (float or bfloat16) as floats.

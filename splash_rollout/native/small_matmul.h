@@ -17,13 +17,6 @@ inline float bf16_to_float(bf16 h) {
   uint32_t bits = (uint32_t)h << 16; float f; std::memcpy(&f, &bits, 4); return f;
 }
 
-inline bf16 float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t bits; std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (bf16)(bits >> 16);
-}
-
 template <typename T> inline float scalar(const T* p);
 template <> inline float scalar<float>(const float* p) { return *p; }
 template <> inline float scalar<bf16>(const bf16* p) { return bf16_to_float(*p); }

@@ -1,5 +1,6 @@
-"""The native few-row kernels (small products, routed experts) and the native sampler against float64
-references and the torch paths they stand in for; where they must not apply, they decline (None) instead of guessing."""
+"""The native few-row kernels (small products, routed experts), the native sampler and the expanded
+prefill attention against float64 references and the torch paths they stand in for; where they must
+not apply, they decline (None) instead of guessing."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from splash_rollout.models.moe import DenseMLP, run_experts
 from splash_rollout.models.numerics import head_matmul, linear, numerics
 from splash_rollout.native import routed_experts as routed_module
 from splash_rollout.native.routed_experts import routed_experts
+from splash_rollout.native.expanded_attention import expanded_attention
 from splash_rollout.native.sample_rows import sample_plain
 from splash_rollout.native import native_available
 from splash_rollout.native.small_matmul import MAX_ROWS, small_matmul
@@ -161,3 +163,56 @@ def test_sampler_keeps_the_torch_path_where_the_kernel_must_not_apply():
     assert all(torch.equal(a, b) for a, b in zip(sample(logits, truncated), sample_torch(logits, truncated)))
     assert sample_plain(logits.half(), params.temperature, uniform(params.seed, params.draw_index),
                         params.greedy) is None
+
+
+def _expanded_reference(q_nope, q_pe, rows, kv, k_pe, q_len, s_len, v, selected, scale):
+    """float64 softmax attention of each request's q_len rows over its s_len keys (the rows are its
+    last positions; a row sees keys up to its own, or its selection)."""
+    h, nope = q_nope.shape[1], q_nope.shape[2]
+    g = rows.numel() // q_len
+    kv = kv.double().view(g, s_len, h, -1)
+    k = torch.cat([kv[..., :nope], k_pe.double().view(g, s_len, 1, -1).expand(-1, -1, h, -1)], -1)
+    q = torch.cat([q_nope, q_pe], -1)[rows].double().view(g, q_len, h, -1)
+    logits = torch.einsum("gqhd,gshd->ghqs", q, k) * scale
+    if selected is None:
+        visible = torch.ones(q_len, s_len, dtype=torch.bool).tril(s_len - q_len)
+    else:
+        visible = selected[rows, :s_len].view(g, 1, q_len, s_len)
+    p = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("ghqs,gshd->gqhd", p, kv[..., nope:]).reshape(g * q_len, h, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len,s_len,dims,dsa", [
+    (70, 70, (32, 16, 24), False),   # whole prompts: row tiles, key tiles of 32 and 16, a scalar value tail
+    (20, 53, (64, 64, 64), False),   # a chunk after 33 earlier positions, the benchmark model's widths
+    (9, 40, (48, 16, 32), True),     # DSA selection, one row seeing nothing
+], ids=["prompts", "chunk", "dsa"])
+def test_expanded_attention_equals_the_float64_reference(dtype, q_len, s_len, dims, dsa):
+    nope, rope, v = dims
+    h, groups, extra = 3, 2, 5  # extra batch rows that are no request's queries
+    g = torch.Generator().manual_seed(q_len * 100 + s_len)
+    n = groups * q_len + extra
+    q_nope = torch.randn(n, h, nope, generator=g).to(dtype)
+    q_pe = torch.randn(n, 2 * h, rope, generator=g).to(dtype)[:, ::2]  # a head stride the kernel follows
+    rows = torch.randperm(n, generator=g)[: groups * q_len]
+    kv = torch.randn(groups * s_len, h, nope + v, generator=g).to(dtype)
+    k_pe = torch.randn(groups * s_len, rope, generator=g).to(dtype)
+    selected = None
+    if dsa:
+        selected = torch.rand(n, s_len + 3, generator=g) < 0.4
+        selected[rows[0]] = False
+    scale = (nope + rope) ** -0.5
+    out = expanded_attention(q_nope, q_pe, rows, kv, k_pe, q_len, s_len, v, selected, scale)
+    ref = _expanded_reference(q_nope, q_pe, rows, kv, k_pe, q_len, s_len, v, selected, scale)
+    assert out.shape == (groups * q_len, h, v) and out.dtype == dtype
+    assert _rel(out, ref) < (2e-6 if dtype == torch.float32 else 1e-2)
+    if dsa:
+        assert not out[0].any()  # the row that selected nothing
+
+
+def test_expanded_attention_declines_mixed_dtypes_and_autograd():
+    q = torch.randn(4, 2, 8)
+    rows, kv, k_pe = torch.arange(4), torch.randn(4, 2, 16), torch.randn(4, 8)
+    assert expanded_attention(q, q.bfloat16(), rows, kv, k_pe, 4, 4, 8, None, 0.1) is None
+    assert expanded_attention(q.requires_grad_(), q, rows, kv, k_pe, 4, 4, 8, None, 0.1) is None

@@ -12,9 +12,9 @@ request (the cost model prices the same choice).
 
 The expanded form rounds differently from the absorbed one (k_nope is rounded before the dot
 product), so it is used only under ``fast`` numerics, and only for requests whose whole history is
-stored on this rank (never for CP's split histories). The attention itself is
-``F.scaled_dot_product_attention``; its CPU flash kernel wants one head width for q, k and v, so the
-narrower side is zero-padded (zeros change neither the scores nor the values kept).
+stored on this rank (never for CP's split histories). On the CPU the attention is one native call
+(``native/expanded_attention.cpp``: keys and values read where kv_b's product left them, only the
+keys a row may see scored); elsewhere ``F.scaled_dot_product_attention`` over padded copies.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool
 from splash_rollout.models.numerics import linear, numerics_mode
+from splash_rollout.native.expanded_attention import expanded_attention as native_expanded
 from splash_rollout.scheduling.cost_model import expanded_is_cheaper
 
 
@@ -83,30 +84,46 @@ def expanded_attention(attn, kv_b: torch.Tensor, pool: KVPool, q_nope: torch.Ten
     kv_b: [h*(nope+v), kv_lora] (the shard's heads); q_nope [N, h, nope], q_pe [N, h, rope] roped,
     the whole batch's rows; selected: Bool [N, S] DSA selection or None (causal). The requests' KV
     must already be in the pool. Returns (rows [n] int64 of the batch, values [n, h, v])."""
-    h, nope, rope, v = q_nope.shape[1], attn.nope_dim, attn.rope_dim, attn.v_dim
-    qk = nope + rope
-    width = max(qk, v)
+    h, nope, v = q_nope.shape[1], attn.nope_dim, attn.v_dim
     all_rows, all_values = [], []
     for q_len, s_len, rows, slots in _groups(batch, seqs):
         g = rows.numel() // q_len
         c_kv, k_pe = pool.read_kv(attn.layer_idx, slots)  # [g*S, r], [g*S, rope]
-        kv = linear(c_kv.to(q_nope.dtype), kv_b).view(g, s_len, h, nope + v)
-        k = torch.cat([kv[..., :nope], k_pe.to(q_nope.dtype).view(g, s_len, 1, rope).expand(g, s_len, h, rope)], -1)
-        q = torch.cat([q_nope[rows], q_pe[rows]], -1).view(g, q_len, h, qk)
-        values = kv[..., nope:]
-        if qk < width:
-            q, k = F.pad(q, (0, width - qk)), F.pad(k, (0, width - qk))
-        if v < width:
-            values = F.pad(values, (0, width - v))
-        if selected is not None:
-            mask = selected[rows, :s_len].view(g, 1, q_len, s_len)
-        elif q_len == s_len:
-            mask = None  # a whole prompt: plain causal
-        else:  # a chunk after earlier positions: row i sees keys <= s_len - q_len + i
-            mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(s_len - q_len)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask, is_causal=mask is None,
-                                             scale=attn.softmax_scale)  # [g, h, Q, width]
+        kv = linear(c_kv.to(q_nope.dtype), kv_b).view(g * s_len, h, nope + v)
+        k_pe = k_pe.to(q_nope.dtype)
+        out = native_expanded(q_nope, q_pe, rows, kv, k_pe, q_len, s_len, v, selected, attn.softmax_scale)
+        if out is None:
+            out = _torch_attention(attn, q_nope, q_pe, rows, kv.view(g, s_len, h, nope + v), k_pe, q_len, s_len,
+                                   selected)
         all_rows.append(rows)
-        all_values.append(out.transpose(1, 2).reshape(g * q_len, h, width)[..., :v])
+        all_values.append(out)
     return torch.cat(all_rows), torch.cat(all_values)
+
+
+def _torch_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor,
+                     k_pe: torch.Tensor, q_len: int, s_len: int, selected: torch.Tensor | None) -> torch.Tensor:
+    """The same attention through ``F.scaled_dot_product_attention`` (where the native kernel does
+    not apply): kv [g, S, h, nope + v], k_pe [g*S, rope] -> [g*Q, h, v]. Its CPU flash kernel wants
+    one head width for q, k and v, so the narrower side is zero-padded (zeros change neither the
+    scores nor the values kept)."""
+    g, _, h, _ = kv.shape
+    nope, rope, v = attn.nope_dim, attn.rope_dim, attn.v_dim
+    qk = nope + rope
+    width = max(qk, v)
+    k = torch.cat([kv[..., :nope], k_pe.view(g, s_len, 1, rope).expand(g, s_len, h, rope)], -1)
+    q = torch.cat([q_nope[rows], q_pe[rows]], -1).view(g, q_len, h, qk)
+    values = kv[..., nope:]
+    if qk < width:
+        q, k = F.pad(q, (0, width - qk)), F.pad(k, (0, width - qk))
+    if v < width:
+        values = F.pad(values, (0, width - v))
+    if selected is not None:
+        mask = selected[rows, :s_len].view(g, 1, q_len, s_len)
+    elif q_len == s_len:
+        mask = None  # a whole prompt: plain causal
+    else:  # a chunk after earlier positions: row i sees keys <= s_len - q_len + i
+        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(s_len - q_len)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, is_causal=mask is None,
+                                         scale=attn.softmax_scale)  # [g, h, Q, width]
+    return out.transpose(1, 2).reshape(g * q_len, h, width)[..., :v]
