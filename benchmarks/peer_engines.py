@@ -113,8 +113,18 @@ LATENT_ROW = 576
 VLLM_MAX_MODEL_LEN = 1024
 VLLM_KVCACHE_GIB = 4
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-WARMUP = dict(prompts=4, prompt_len=16, new=4)
-"""Both engines' untimed warm-up: the first prompts cut to 16 tokens, 4 new tokens each."""
+WARMUP = dict(prompts=32, prompt_len=0, new=4)
+"""Every engine's untimed warm-up (``--warmup-prompts``, ``--warmup-prompt-len``): the workload's
+first 32 prompts at full length (prompt_len 0), 4 new tokens each, one generate call -- at least one
+whole prefill step of the workload's shapes, so per-process one-time work (packing weights, oneDNN
+setting up each product shape, a fresh heap's page faults) is not inside the timed call; in an RL
+loop the engine lives across rollout steps and pays it once. Runs before the thirteenth used 4
+prompts cut to 16 tokens, which left most of that work in the timed call: ~0.3 s of T = 1's float32
+wide call, ~1.3 s of T = 2's (each rank packs and sets up alone, on one thread)."""
+
+
+def _warm_prompts(prompts: list[list[int]], warmup: dict) -> list[list[int]]:
+    return [p[:warmup["prompt_len"]] if warmup["prompt_len"] else p for p in prompts[:warmup["prompts"]]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +173,9 @@ def _warm_and_generate(engine, prompts: list[list[int]], spec: dict, before_time
     engine steps, and in greedy mode each prompt's response ids and logprobs (prompt order)."""
     from splash_rollout import SamplingParams
 
-    engine.generate([p[:WARMUP["prompt_len"]] for p in prompts[:WARMUP["prompts"]]],
-                    SamplingParams(n=1, temperature=1.0, max_new_tokens=WARMUP["new"], ignore_eos=True, seed=2))
+    warmup = spec.get("warmup", WARMUP)
+    engine.generate(_warm_prompts(prompts, warmup),
+                    SamplingParams(n=1, temperature=1.0, max_new_tokens=warmup["new"], ignore_eos=True, seed=2))
     greedy = spec["mode"] == "greedy"
     sp = SamplingParams(n=1 if greedy else spec["n"], temperature=0.0 if greedy else 1.0,
                         max_new_tokens=spec["new"], ignore_eos=True, seed=None if greedy else 1)
@@ -270,8 +281,9 @@ def child_vllm(spec: dict) -> dict:
               max_model_len=VLLM_MAX_MODEL_LEN, seed=0, max_num_seqs=256, enable_prefix_caching=False)
     out: dict = {"startup_s": time.perf_counter() - t0, "vllm_version": vllm.__version__}
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    warm = [{"prompt_token_ids": p[:WARMUP["prompt_len"]]} for p in prompts[:WARMUP["prompts"]]]
-    llm.generate(warm, SamplingParams(n=1, temperature=1.0, max_tokens=WARMUP["new"], ignore_eos=True, seed=2,
+    warmup = spec.get("warmup", WARMUP)
+    warm = [{"prompt_token_ids": p} for p in _warm_prompts(prompts, warmup)]
+    llm.generate(warm, SamplingParams(n=1, temperature=1.0, max_tokens=warmup["new"], ignore_eos=True, seed=2,
                                       detokenize=False), use_tqdm=False)
     if spec["mode"] == "greedy":
         outs = llm.generate(inputs, SamplingParams(n=1, temperature=0.0, max_tokens=spec["new"], ignore_eos=True,
@@ -321,9 +333,10 @@ def child_transformers(spec: dict) -> dict:
                                         bos_token_id=0, eos_token_id=None,
                                         **({} if greedy else {"temperature": 1.0, "top_k": None, "top_p": 1.0}))
     with torch.inference_mode():
-        warm = torch.tensor([p[:WARMUP["prompt_len"]] for p in prompts[:WARMUP["prompts"]]])
+        warmup = spec.get("warmup", WARMUP)
+        warm = torch.tensor(_warm_prompts(prompts, warmup))  # equal lengths: no padding
         model.generate(warm, attention_mask=torch.ones_like(warm), generation_config=transformers.GenerationConfig(
-            max_new_tokens=WARMUP["new"], do_sample=False, pad_token_id=0, eos_token_id=None))
+            max_new_tokens=warmup["new"], do_sample=False, pad_token_id=0, eos_token_id=None))
         if greedy:
             ids = torch.tensor(prompts)  # equal lengths: no padding
             res = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,
@@ -375,8 +388,8 @@ def command_line(env_delta: dict, argv: list[str], env_remove: tuple[str, ...] =
 class Runner:
     """Runs child processes (one at a time) with a timeout, logs in ``work/logs``."""
 
-    def __init__(self, work: str, timeout_s: float):
-        self.work, self.timeout_s, self.count = work, timeout_s, 0
+    def __init__(self, work: str, timeout_s: float, warmup: dict):
+        self.work, self.timeout_s, self.count, self.warmup = work, timeout_s, 0, warmup
         os.makedirs(os.path.join(work, "logs"), exist_ok=True)
 
     def run(self, name: str, python: str, kind: str, spec: dict, env_delta: dict,
@@ -384,7 +397,7 @@ class Runner:
         self.count += 1
         stem = os.path.join(self.work, "logs", f"{self.count:03d}_{name}")
         spec_path, out_path = stem + ".spec.json", stem + ".result.json"
-        _dump(spec, spec_path)
+        _dump({**spec, "warmup": self.warmup}, spec_path)
         argv = [python, THIS, "--child", kind, "--spec", spec_path, "--out", out_path]
         env = {k: v for k, v in os.environ.items() if k not in env_remove}
         env.update(env_delta)
@@ -635,6 +648,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="this engine's per-step row budget")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-greedy-check", action="store_true")
+    ap.add_argument("--warmup-prompts", type=int, default=WARMUP["prompts"],
+                    help="prompts in every engine's untimed warm-up generate (the workload's first ones)")
+    ap.add_argument("--warmup-prompt-len", type=int, default=WARMUP["prompt_len"],
+                    help="cut the warm-up prompts to this many tokens (0: full length)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers generate peer on wide")
     ap.add_argument("--transformers-batch", type=int, default=0,
                     help="transformers generate's static batch on wide (0: all its prompts at once)")
@@ -723,8 +740,12 @@ def main(argv=None) -> dict:
                      f"(the engine's default), not --threads {args.threads} in all")
 
     work = args.work_dir or tempfile.mkdtemp(prefix="peer_engines_")
+    if args.warmup_prompts < 1 or args.warmup_prompt_len < 0:
+        ap.error(f"--warmup-prompts must be >= 1 and --warmup-prompt-len >= 0 (0: full length), got "
+                 f"{args.warmup_prompts} and {args.warmup_prompt_len}")
+    warmup = dict(prompts=args.warmup_prompts, prompt_len=args.warmup_prompt_len, new=WARMUP["new"])
     os.makedirs(work, exist_ok=True)
-    runner = Runner(work, args.arm_timeout)
+    runner = Runner(work, args.arm_timeout, warmup)
     t_all = time.perf_counter()
     out: dict = {
         "benchmark": "peer_engines",
@@ -734,7 +755,7 @@ def main(argv=None) -> dict:
                                    for w, s in shapes.items()},
                      "arm_keys": arm_keys, "dtypes": dtypes, "rounds": args.rounds, "threads": args.threads,
                      "splash_env": args.splash_env, "quick": args.quick, "seed": args.seed,
-                     "warmup": WARMUP, "greedy": None if args.no_greedy_check else greedy_shape,
+                     "warmup": warmup, "greedy": None if args.no_greedy_check else greedy_shape,
                      "order": "each round runs every arm once, each a fresh process; the order reverses every round",
                      "timed": "one generate call of the whole workload; start-up and warm-up not timed"},
         "arms": arm_defs, "notes": notes, "work_dir": work, "results": {}, "failures": []}
