@@ -2,8 +2,8 @@
 
 What it measures: generated tokens per second of one timed ``generate`` call, per workload x dtype x
 arm, each arm a fresh whole process per round, on the same prompt token ids and the same thread
-count. Engine start-up (vLLM's is ~90 s of torch.compile warm-up) and a small warm-up generate are
-not timed.
+count. Engine start-up (vLLM's is ~90 s of torch.compile warm-up) and a warm-up generate (the
+workload's first 32 prompts, 4 new tokens; ``WARMUP``) are not timed.
 
 * Checkpoint: a random-init transformers ``DeepseekV3ForCausalLM`` (``torch.manual_seed(seed)``,
   vocab 4096, hidden 512, 8 layers, 8 heads, q_lora 256, kv_lora 512, rope 64, nope 64, v 64,

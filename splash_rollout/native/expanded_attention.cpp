@@ -18,6 +18,7 @@
 // Visible: j <= S - Q + i (causal: the chunk's rows are the last Q positions of S), or where the
 // row's DSA selection is set. A row that sees nothing gets zeros. Products accumulate in float;
 // bfloat16 inputs are widened exactly and the output rounded once (as torch's kernel does).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
