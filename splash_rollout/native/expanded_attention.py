@@ -31,10 +31,15 @@ def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Ten
     if (q_nope.dtype not in DTYPES or any(t.dtype != q_nope.dtype or t.device.type != "cpu" for t in tensors)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
         return None
+    if selected is not None and (selected.dtype not in (torch.bool, torch.uint8) or selected.device.type != "cpu"
+                                 or selected.dim() != 2 or selected.shape[0] != q_nope.shape[0]
+                                 or selected.shape[1] < s_len):
+        raise ValueError(f"expanded_attention: selected must be a CPU bool / uint8 [{q_nope.shape[0]}, >= {s_len}] "
+                         f"(one row per batch row, a column per key), got {selected.dtype} {tuple(selected.shape)}")
     lib = library_or_none()
     if lib is None:
         return None
-    n_rows, heads, nope = q_nope.shape
+    heads, nope = q_nope.shape[1:]
     rope = q_pe.shape[-1]
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()

@@ -211,8 +211,10 @@ def test_expanded_attention_equals_the_float64_reference(dtype, q_len, s_len, di
         assert not out[0].any()  # the row that selected nothing
 
 
-def test_expanded_attention_declines_mixed_dtypes_and_autograd():
+def test_expanded_attention_declines_mixed_dtypes_and_autograd_and_refuses_a_short_selection():
     q = torch.randn(4, 2, 8)
     rows, kv, k_pe = torch.arange(4), torch.randn(4, 2, 16), torch.randn(4, 8)
     assert expanded_attention(q, q.bfloat16(), rows, kv, k_pe, 4, 4, 8, None, 0.1) is None
     assert expanded_attention(q.requires_grad_(), q, rows, kv, k_pe, 4, 4, 8, None, 0.1) is None
+    with pytest.raises(ValueError, match="selected must be"):  # a selection narrower than the keys
+        expanded_attention(q.detach(), q.detach(), rows, kv, k_pe, 4, 4, 8, torch.ones(4, 3, dtype=torch.bool), 0.1)
