@@ -38,7 +38,8 @@ than plain ones. Until each kind has been measured ``min_observed`` times at a w
 time is at stake) -- a drafted one only while the drafter is expected to have a draft for at least
 one of the step's requests (hit rate x decoding requests >= 1): a step asked for drafts that gets
 none runs plain, measures nothing and would be asked again every ``explore_every`` steps. Where the
-batch is wide, a row costs about what a token is worth and the answer is 0; as it drains a step's fixed cost dominates, extra rows are nearly free and drafts pay.
+batch is wide, a row costs about what a token is worth and the answer is 0; as it drains a step's
+fixed cost dominates, extra rows are nearly free and drafts pay.
 The cap is decided on rank 0 and sent to every rank in the step's control message, so every
 scheduler replica drafts alike. A change of cap is logged with its reason (``log``).
 """

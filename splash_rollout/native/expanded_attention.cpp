@@ -35,9 +35,6 @@ constexpr int KV = 2;   // key vectors (of 16) per logit tile: RT x KV accumulat
 constexpr int OR = 4;   // query rows per output tile
 constexpr int OV = 4;   // value vectors per output tile: OR x OV accumulators
 
-inline void store_out(float* p, float v) { *p = v; }
-inline void store_out(bf16* p, float v) { *p = float_to_bf16(v); }
-
 struct Problem {
   int64_t groups, q_len, s_len, heads, nope, rope, vdim;
   int64_t qn_sn, qn_sh, qp_sn, qp_sh;  // element strides (row, head) of q_nope, q_pe
@@ -180,7 +177,7 @@ void attend_item(const Problem& pb, const T* q_nope, const T* q_pe, const T* kv,
     }
     for (int i = 0; i < rows; ++i) {
       T* dst = out + ((g * Q + i0 + i) * pb.heads + h) * vd;
-      for (int64_t d = 0; d < vd; ++d) store_out(dst + d, acc[i * vd + d]);
+      for (int64_t d = 0; d < vd; ++d) dst[d] = narrow<T>(acc[i * vd + d]);
     }
   }
 }

@@ -27,15 +27,6 @@
 namespace {
 
 
-template <typename T> inline T narrow(float f);
-template <> inline float narrow<float>(float f) { return f; }
-template <> inline bf16 narrow<bf16>(float f) {  // round to nearest even; NaN stays a (quiet) NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return (bf16)((bits & 0x7fffffffu) > 0x7f800000u ? ((bits >> 16) | 0x40u) : rounded);
-}
-
 template <typename T> inline float round_to(float f) { return widen(narrow<T>(f)); }
 
 // 16 elements of T as floats (load16, simd.h), and back.

@@ -50,7 +50,7 @@ int run_experts(int64_t n, int64_t hidden, int64_t inter, const T* x, int64_t x_
         std::memcpy(xs_t.data() + (offset[a] + i) * hidden, src, sizeof(T) * hidden);
       } else {
         float* dst = xs.data() + (offset[a] + i) * hidden;
-        for (int64_t t = 0; t < hidden; ++t) dst[t] = scalar<T>(src + t);
+        for (int64_t t = 0; t < hidden; ++t) dst[t] = widen(src[t]);
       }
     }
   // One work item per expert (gate, up, SiLU, down: no barrier between them), then one fork/join:
@@ -70,7 +70,7 @@ int run_experts(int64_t n, int64_t hidden, int64_t inter, const T* x, int64_t x_
       T* h = h_t.data() + offset[a] * inter;
       nk_item_pairs<float>(xa, hidden, m, wg, hidden, hidden, nullptr, g, inter, inter);
       nk_item_pairs<float>(xa, hidden, m, wu, hidden, hidden, nullptr, u, inter, inter);
-      for (int64_t i = 0; i < m * inter; ++i) store<T>(h + i, g[i] / (1.0f + std::exp(-g[i])) * u[i]);
+      for (int64_t i = 0; i < m * inter; ++i) h[i] = narrow<T>(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
       nk_item_pairs<float>(h, inter, m, wd, inter, inter, nullptr, ya, hidden, hidden);
     } else {
       const float* xa = xs.data() + offset[a] * hidden;

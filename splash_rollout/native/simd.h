@@ -83,11 +83,13 @@ inline float widen(bf16 v) {
   return f;
 }
 
-// A float rounded to bfloat16 (to nearest even; NaN stays NaN).
-inline bf16 float_to_bf16(float f) {
+// A float as T: float as is, bfloat16 rounded to nearest even (a NaN stays a quiet NaN).
+template <typename T> inline T narrow(float f);
+template <> inline float narrow<float>(float f) { return f; }
+template <> inline bf16 narrow<bf16>(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40u);
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return (bf16)(bits >> 16);
 }

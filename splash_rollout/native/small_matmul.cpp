@@ -46,7 +46,7 @@ int run(const Shape& s, const T* x, const T* w, const T* bias, T* y) {
     for (int64_t b = 0; b < s.batch; ++b)
       for (int64_t i = 0; i < s.m; ++i)
         for (int64_t t = 0; t < s.k; ++t)
-          widened[(b * s.m + i) * s.k + t] = scalar<T>(x + b * s.x_sb + i * s.x_sm + t);
+          widened[(b * s.m + i) * s.k + t] = widen(x[b * s.x_sb + i * s.x_sm + t]);
     xf = widened.data(); xf_sb = s.m * s.k; xf_sm = s.k;
   }
   const int64_t block = nk ? NK_BLOCK : KN_BLOCK;

@@ -13,30 +13,6 @@ namespace {
 
 constexpr int W = 16;
 
-inline float bf16_to_float(bf16 h) {
-  uint32_t bits = (uint32_t)h << 16; float f; std::memcpy(&f, &bits, 4); return f;
-}
-
-template <typename T> inline float scalar(const T* p);
-template <> inline float scalar<float>(const float* p) { return *p; }
-template <> inline float scalar<bf16>(const bf16* p) { return bf16_to_float(*p); }
-
-template <typename T> inline f16v load(const T* p);
-template <> inline f16v load<float>(const float* p) { f16v v; std::memcpy(&v, p, sizeof(v)); return v; }
-template <> inline f16v load<bf16>(const bf16* p) {
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u16x16 h; std::memcpy(&h, p, sizeof(h));
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f16v f; std::memcpy(&f, &w, sizeof(f)); return f;
-}
-
-
-template <typename T> inline void store(T* p, float v);
-template <> inline void store<float>(float* p, float v) { *p = v; }
-template <> inline void store<bf16>(bf16* p, float v) { *p = float_to_bf16(v); }
-
-
 struct Shape {
   int64_t batch, m, n, k;
   int64_t x_sb, x_sm;          // x [batch, m, k], unit stride in k
@@ -59,11 +35,11 @@ inline void nk_tile(const float* x, int64_t xs, const T* w, int64_t ws, int64_t 
     f16v wv[NR];
     for (int j = 0; j < NR; ++j) {
       prefetch_l2(w + (j + NR) * ws + kk);  // the next tile's rows: a weight row is a short stream
-      wv[j] = load<T>(w + j * ws + kk);
+      wv[j] = load16<T>(w + j * ws + kk);
       in_register(wv[j]);
     }
     for (int i = 0; i < MR; ++i) {
-      f16v xv = load<float>(x + i * xs + kk);
+      f16v xv = load16<float>(x + i * xs + kk);
       in_register(xv);
       for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
     }
@@ -75,9 +51,9 @@ inline void nk_tile(const float* x, int64_t xs, const T* w, int64_t ws, int64_t 
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       float s = sums[i * NR + j];
-      for (int64_t t = kk; t < k; ++t) s += x[i * xs + t] * scalar<T>(w + j * ws + t);
-      if (bias) s += scalar<T>(bias + j);
-      store<O>(y + i * ys + j, s);
+      for (int64_t t = kk; t < k; ++t) s += x[i * xs + t] * widen(w[j * ws + t]);
+      if (bias) s += widen(bias[j]);
+      y[i * ys + j] = narrow<O>(s);
     }
 }
 
@@ -143,9 +119,9 @@ inline void nk_tile_bf16(const bf16* x, int64_t xs, const bf16* w, int64_t ws, i
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       float s = sums[i * NR + j];
-      for (int64_t t = kk; t < k; ++t) s += scalar<bf16>(x + i * xs + t) * scalar<bf16>(w + j * ws + t);
-      if (bias) s += scalar<bf16>(bias + j);
-      store<O>(y + i * ys + j, s);
+      for (int64_t t = kk; t < k; ++t) s += widen(x[i * xs + t]) * widen(w[j * ws + t]);
+      if (bias) s += widen(bias[j]);
+      y[i * ys + j] = narrow<O>(s);
     }
 }
 
@@ -188,11 +164,11 @@ inline void kn_tile(const float* x, int64_t xs, const T* w, int64_t ws, int64_t 
                     int64_t ys) {
   f16v acc[MR][VR];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < VR; ++v) acc[i][v] = bias ? load<T>(bias + v * W) : f16v{};
+    for (int v = 0; v < VR; ++v) acc[i][v] = bias ? load16<T>(bias + v * W) : f16v{};
   for (int64_t t = 0; t < k; ++t) {
     f16v wv[VR];
     for (int v = 0; v < VR; ++v) {
-      wv[v] = load<T>(w + t * ws + v * W);
+      wv[v] = load16<T>(w + t * ws + v * W);
       in_register(wv[v]);
     }
     for (int i = 0; i < MR; ++i) {
@@ -202,7 +178,7 @@ inline void kn_tile(const float* x, int64_t xs, const T* w, int64_t ws, int64_t 
   }
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < VR; ++v)
-      for (int l = 0; l < W; ++l) store<T>(y + i * ys + v * W + l, acc[i][v][l]);
+      for (int l = 0; l < W; ++l) y[i * ys + v * W + l] = narrow<T>(acc[i][v][l]);
 }
 
 template <typename T, int MR>
@@ -214,9 +190,9 @@ inline void kn_rows(const float* x, int64_t xs, const T* w, int64_t ws, int64_t 
   for (; c + W <= outs; c += W) kn_tile<T, MR, 1>(x, xs, w + c, ws, k, bias ? bias + c : nullptr, y + c, ys);
   for (; c < outs; ++c)  // fewer than W outputs left: one at a time
     for (int i = 0; i < MR; ++i) {
-      float s = bias ? scalar<T>(bias + c) : 0.0f;
-      for (int64_t t = 0; t < k; ++t) s += x[i * xs + t] * scalar<T>(w + t * ws + c);
-      store<T>(y + i * ys + c, s);
+      float s = bias ? widen(bias[c]) : 0.0f;
+      for (int64_t t = 0; t < k; ++t) s += x[i * xs + t] * widen(w[t * ws + c]);
+      y[i * ys + c] = narrow<T>(s);
     }
 }
 
