@@ -9,7 +9,7 @@ request's worst case (prompt + max_new_tokens), so the number of requests runnin
 by the pool alone.
 
 For each layout (and ``auto``) the script builds the engine exactly as ``RolloutEngine`` does
-(``rollout.ranks.build_engine``) on spawned ranks, serves ``--requests`` identical requests
+(``rollout.build.build_engine``) on spawned ranks, serves ``--requests`` identical requests
 and reads the step log: the largest running batch, steps and wall time. It also reports the
 ownership model's pool tokens per rank and distinct tokens per group, and the concurrency the
 admission rule predicts on empty pools (``KVPlacement``), which the measured one must equal.
@@ -43,7 +43,7 @@ from splash_rollout.engine.scheduler import Scheduler  # noqa: E402
 from splash_rollout.layout.footprint import RankBudget, footprints  # noqa: E402
 from splash_rollout.layout.layouts import ALL_LAYOUTS, Layout  # noqa: E402
 from splash_rollout.models.config import resolve_model  # noqa: E402
-from splash_rollout.rollout.ranks import TORCH_DTYPES, build_engine  # noqa: E402
+from splash_rollout.rollout.build import TORCH_DTYPES, build_engine  # noqa: E402
 
 SYSTEMS = tuple(l.value for l in ALL_LAYOUTS) + ("auto",)
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from splash_rollout.layout import Layout  # noqa: E402
 from splash_rollout.models.config import resolve_model  # noqa: E402
 from splash_rollout.rollout.config import EngineConfig  # noqa: E402
-from splash_rollout.rollout.ranks import make_policy  # noqa: E402
+from splash_rollout.rollout.build import make_policy  # noqa: E402
 from splash_rollout.scheduling.cost_model import StepBatch  # noqa: E402
 from splash_rollout.scheduling.admission_plan import Waiting  # noqa: E402
 

@@ -158,14 +158,14 @@ def load_hf_peer(args, attn_implementation: str):
     import transformers
 
     from splash_rollout.models.weights import save_checkpoint
-    from splash_rollout.rollout.ranks import load_model
+    from splash_rollout.rollout.build import whole_model
 
     cfg = resolve_model(args.model)
     if cfg.model_type != "glm_moe_dsa":
         raise ValueError(f"--model: the transformers peers map glm_moe_dsa models, got {cfg.model_type}")
     config = EngineConfig(model=args.model, seed=args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(load_model(config, cfg), tmp)
+        save_checkpoint(whole_model(config, cfg), tmp)
         return transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp, dtype=torch.float32,
                                                                  attn_implementation=attn_implementation).eval()
 

@@ -229,14 +229,26 @@ class WorkerGroup:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """``fn(ctx, *args, **kwargs)`` on every rank; results in rank order."""
+        return self.run_each(fn, [args] * self.world_size, timeout_s=timeout_s, **kwargs)
+
+    def run_each(self, fn: Callable[..., Any], args_by_rank: list[tuple], timeout_s: float | None = None,
+                 **kwargs: Any) -> list[Any]:
+        """``fn(ctx, *args_by_rank[r], **kwargs)`` on every rank r (each rank gets only its own
+        arguments: a weight push sends each rank its own parts); results in rank order."""
         what = getattr(fn, "__name__", "call")
         if self._closed:
             raise RuntimeError("WorkerGroup: run() after shutdown()")
+        if len(args_by_rank) != self.world_size:
+            raise ValueError(f"{what}: {len(args_by_rank)} argument sets for {self.world_size} ranks")
         if getattr(fn, "__module__", None) == "__main__" and not self._has_main_file:
             raise ValueError(f"{what}: defined in __main__ of a program without a file (python -c, stdin, a "
                              f"notebook), which the ranks cannot import; define it in a module")
+        payloads: dict[int, bytes] = {}
         try:
-            payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            for r, args in enumerate(args_by_rank):
+                key = id(args)  # the same argument set (``run``) is pickled once
+                payloads[key] = payloads.get(key) or pickle.dumps((fn, tuple(args), kwargs),
+                                                                  protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - e.g. a lambda, a nested function, an open file
             raise TypeError(f"{what}: a WorkerGroup call needs a module-level function and picklable "
                             f"arguments: {type(e).__name__}: {e}") from e
@@ -245,9 +257,9 @@ class WorkerGroup:
         call_id = self._next_call
         self.progress = {}
         try:
-            for r in self._ranks:
+            for r, args in zip(self._ranks, args_by_rank):
                 try:
-                    r.send(("call", call_id, payload))
+                    r.send(("call", call_id, payloads[id(args)]))
                 except OSError:
                     raise self._on_closed(r.rank, what) from None
             return self._collect(call_id, timeout_s or self.timeout_s, what=what)

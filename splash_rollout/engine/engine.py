@@ -48,9 +48,10 @@ from splash_rollout.engine.speculation_gate import SpeculationGate
 from splash_rollout.scheduling.cost_model import StepBatch
 from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
 from splash_rollout.engine.model_runner import ModelRunner
-from splash_rollout.engine.parallel_mlp import placement_problem, shard_feed_forward
+from splash_rollout.engine import rank_weights
+from splash_rollout.engine.parallel_mlp import placement_problem
 from splash_rollout.engine.placement import KVPlacement
-from splash_rollout.engine.projections import drop_full_projections, slice_projections
+from splash_rollout.engine.rank_weights import RankShare
 from splash_rollout.engine.rank_state import RankState
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.routing_capture import RoutingRecorder
@@ -67,6 +68,7 @@ from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.layout.rank_view import RankView
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.weights import WeightSource
 
 EXECUTORS = {Layout.TP: TPExecutor, Layout.DP: DPExecutor, Layout.DOP: DOPExecutor, Layout.CP: CPExecutor}
 _BYTES_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
@@ -159,11 +161,15 @@ class _Step:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, groups: ProcessGroups,
+    def __init__(self, weights: torch.nn.Module | WeightSource, config: ModelConfig, groups: ProcessGroups,
                  settings: EngineSettings = EngineSettings(), *, policy=None, price_step=None,
                  heartbeat: Callable[[dict], None] | None = None,
                  should_abort: Callable[[], bool] | None = None) -> None:
-        """policy: a scheduling.LayoutPolicy on rank 0 (layout="auto"); price_step: on rank 0 with
+        """weights: where this rank's weights come from -- a ``WeightSource`` (a checkpoint's files, a
+        preset's seeded init: the rank reads only the parts it holds, engine/rank_weights.py), or a
+        whole in-memory model, which this rank takes over in place (moved to the device, other ranks'
+        parts dropped).
+        policy: a scheduling.LayoutPolicy on rank 0 (layout="auto"); price_step: on rank 0 with
         ``speculation="auto"``, (layout, StepBatch) -> predicted seconds; heartbeat: called on every
         rank after each step with {step, finished} (a spawned rank's sign of life); should_abort:
         polled by rank 0 at each step boundary -- when true every unfinished request of the call is
@@ -172,22 +178,19 @@ class Engine:
         self.config, self.groups, self.settings = config, groups, settings
         self.rank, self.world_size, self.page_size = rank, t, settings.page_size
         self.device = torch.device(settings.device)
-        self.full_shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.state_dict().items()}
-        """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against."""
         self.comm = Comm(groups.compute, rank, t, channel=groups.compute_channel)
         self.transfer = Comm(groups.transfer, rank, t, self.comm.counter)
         self.control = Comm(groups.control, rank, t, self.comm.counter, channel=groups.control_channel)
         problem = placement_problem(settings.feed_forward, settings.return_routing, t)
         if problem:
             raise ValueError(problem)
-        model.to(self.device)
-        if t > 1 and settings.feed_forward == "sharded":
-            shard_feed_forward(model, rank, t, self.comm)
         view = RankView(settings.layout, rank, t, config.num_heads)
-        shards = [slice_projections(layer.self_attn, view.head_slice) for layer in model.model.layers]
-        if t > 1:  # one rank's shards are views of the full weights, which stay a trainable model
-            for layer in model.model.layers:
-                drop_full_projections(layer.self_attn)
+        share = RankShare(rank, t, view.head_slice, settings.feed_forward)
+        placed = (rank_weights.adopt(weights, share, self.device, self.comm) if isinstance(weights, torch.nn.Module)
+                  else rank_weights.load(config, weights, share, settings.dtype, self.device, self.comm))
+        model, shards = placed.model, placed.shards
+        self.full_shapes = placed.full_shapes
+        """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against."""
         num_pages = settings.initial_pages
         pool = KVPool(KVPoolSpec.from_model(config), num_pages, settings.page_size, settings.dtype, self.device)
         self.state = RankState(view, pool, get_backend(settings.attention_backend), shards, self.comm)
@@ -233,10 +236,10 @@ class Engine:
         left a collective, a switch may be half-moved), so this engine refuses every later call."""
 
     @classmethod
-    def single(cls, model: torch.nn.Module, config: ModelConfig, settings: EngineSettings = EngineSettings(),
-               **kwargs) -> "Engine":
+    def single(cls, weights: torch.nn.Module | WeightSource, config: ModelConfig,
+               settings: EngineSettings = EngineSettings(), **kwargs) -> "Engine":
         """One rank in this process (T = 1): the same engine, with collectives that are no-ops."""
-        return cls(model, config, ProcessGroups.single(), settings, **kwargs)
+        return cls(weights, config, ProcessGroups.single(), settings, **kwargs)
 
     @property
     def layout(self) -> Layout:
@@ -576,7 +579,20 @@ class Engine:
         if self.asleep:
             raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
         validate_update(named, self.full_shapes, check_finite=False)  # values: checked once, by the caller
-        apply_update(self.model, self.state.shards, named, self.rank, self.world_size)
+        apply_update(self.model, self.state.shards, named)
+
+    def held_parts(self) -> dict[str, list[tuple]]:
+        """Full tensor name -> the parts of it this rank holds now (its current layout's heads, its
+        experts and MLP slices): what a driver cuts a push for this rank by."""
+        return rank_weights.held_parts(rank_weights.rank_targets(self.model, self.state.shards))
+
+    def update_parts(self, parts: list[tuple[str, tuple, torch.Tensor]]) -> None:
+        """Every rank: parts of a validated push that a driver cut for this rank (``held_parts``)."""
+        from splash_rollout.engine.weight_update import apply_parts
+
+        if self.asleep:
+            raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
+        apply_parts(self.model, self.state.shards, parts)
 
     # ---- sleep / wake (every rank; engine/sleep.py) ----------------------------------------------
     @property

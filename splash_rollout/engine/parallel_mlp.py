@@ -39,9 +39,18 @@ class DenseShard(nn.Module):
         super().__init__()
         width = div_even(mlp.gate_proj.weight.shape[0], world_size)
         a, b = rank * width, (rank + 1) * width
+        self.rows = slice(a, b)
+        """The intermediate rows this rank holds."""
         self.gate = nn.Parameter(mlp.gate_proj.weight[a:b].clone(), requires_grad=False)  # [I/T, hidden]
         self.up = nn.Parameter(mlp.up_proj.weight[a:b].clone(), requires_grad=False)  # [I/T, hidden]
         self.down = nn.Parameter(mlp.down_proj.weight[:, a:b].clone(), requires_grad=False)  # [hidden, I/T]
+
+    def full_parts(self, prefix: str) -> list[tuple[str, torch.Tensor, tuple]]:
+        """(full tensor name, this rank's tensor, the part of the full tensor it holds) for the MLP
+        whose names start with ``prefix`` (e.g. ``model.layers.0.mlp``)."""
+        return [(f"{prefix}.gate_proj.weight", self.gate, (self.rows,)),
+                (f"{prefix}.up_proj.weight", self.up, (self.rows,)),
+                (f"{prefix}.down_proj.weight", self.down, (slice(None), self.rows))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> partial [N, hidden] (float64 when reproducible)
         return linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down, keep=True)
@@ -57,6 +66,17 @@ class ExpertShard(nn.Module):
         self.gate = moe.gate  # replicated router (float32 weight and bias)
         self.experts = nn.ModuleList(moe.experts[self.first_expert + i] for i in range(per_rank))
         self.shared = DenseShard(moe.shared_experts, rank, world_size) if moe.shared_experts is not None else None
+
+    def full_parts(self, prefix: str) -> list[tuple[str, torch.Tensor, tuple]]:
+        """As ``DenseShard.full_parts``: the replicated router whole, this rank's experts whole and its
+        slice of the shared experts."""
+        parts = [(f"{prefix}.gate.{name}", t, ()) for name, t in self.gate.state_dict(keep_vars=True).items()]
+        for i, expert in enumerate(self.experts):
+            parts += [(f"{prefix}.experts.{self.first_expert + i}.{name}", t, ())
+                      for name, t in expert.state_dict(keep_vars=True).items()]
+        if self.shared is not None:
+            parts += self.shared.full_parts(f"{prefix}.shared_experts")
+        return parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> partial [N, hidden]
         idx, weight = self.gate(x)  # [N, k], [N, k]

@@ -39,6 +39,17 @@ class ProjectionShard:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"q_b": self.q_b, "kv_b": self.kv_b, "o": self.o}
 
+    def full_parts(self, attn, prefix: str) -> list[tuple[str, torch.Tensor, tuple]]:
+        """(full tensor name, this shard's tensor, the part of the full tensor it holds) for the layer
+        whose attention names start with ``prefix`` (e.g. ``model.layers.0.self_attn``): head-major
+        row blocks of Q-B and KV-B, a column block of O."""
+        a, b = self.heads.start, self.heads.stop
+        qk, kvd, v = attn.nope_dim + attn.rope_dim, attn.nope_dim + attn.v_dim, attn.v_dim
+        q_name = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
+        return [(f"{prefix}.{q_name}.weight", self.q_b, (slice(a * qk, b * qk),)),
+                (f"{prefix}.kv_b_proj.weight", self.kv_b, (slice(a * kvd, b * kvd),)),
+                (f"{prefix}.o_proj.weight", self.o, (slice(None), slice(a * v, b * v)))]
+
     # ---- compute ---------------------------------------------------------------------------------
     def project_q(self, attn, x: torch.Tensor, positions: torch.Tensor):
         """x [N, hidden] -> (q_nope [N,h,nope], q_pe [N,h,rope] roped, q_a [N,q_lora] or None)."""

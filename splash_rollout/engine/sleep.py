@@ -136,6 +136,20 @@ def process_rss_bytes() -> int | None:
         return None
 
 
+def process_anon_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident anonymous memory (``RssAnon`` of Linux ``/proc/PID/status``): its own
+    allocations, without the file pages it maps (a memory-mapped checkpoint's page cache is the
+    kernel's, shared and reclaimable); None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def weight_tensors(model: torch.nn.Module, shards: Iterable) -> list[torch.Tensor]:
     """Every weight tensor a rank holds: the model's parameters and buffers and the projection
     shards (which the engine keeps outside the modules)."""
@@ -164,6 +178,8 @@ def restore_memory(offload: TensorOffload, pool) -> None:
 
 def memory_stats(pool, model: torch.nn.Module, shards: Iterable, tracked_bytes: int) -> dict[str, int | None]:
     """Measured bytes of one rank: ``tracked_bytes`` (projection shards + KV pool, as given),
-    ``kv_pool``, ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
+    ``kv_pool``, ``weights`` (allocated storages under every weight tensor), the process ``rss`` and
+    its anonymous part ``rss_anon`` (without mapped file pages)."""
     return {"tracked_bytes": tracked_bytes, "kv_pool": pool.nbytes,
-            "weights": storage_bytes(weight_tensors(model, shards)), "rss": process_rss_bytes()}
+            "weights": storage_bytes(weight_tensors(model, shards)), "rss": process_rss_bytes(),
+            "rss_anon": process_anon_bytes()}

@@ -1,24 +1,23 @@
 """Putting full (trainer-side) weights into one rank's shards, whatever the current layout.
 
-Each rank slices what it holds out of the full tensors it is given — its head slice of Q-B / KV-B /
-O (all heads in a replicated layout), its slice of the dense MLP and shared experts, its own routed
-experts — and copies the replicated rest. Everything is validated first (name, shape, exact
-dtype cast, no shard where a full parameter belongs, finite values), so a bad push is rejected as a
-whole and the old weights stay.
+Each rank holds parts of the full tensors (``rank_weights.rank_targets``: its head slice of Q-B /
+KV-B / O -- all heads in a replicated layout --, its slice of the dense MLP and shared experts, its
+own routed experts, the replicated rest). A push is validated first (name, shape, exact dtype cast,
+no shard where a full parameter belongs, finite values), so a bad push is rejected as a whole and
+the old weights stay. Then either every rank cuts its parts out of full tensors it has
+(``apply_update``: one rank in the caller's process, or the caller's torchrun ranks), or a driver
+that spawned the ranks cuts each rank's parts and sends them in bounded buckets (``cut_push``,
+``apply_parts``), so no rank ever receives the whole model.
 """
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from splash_rollout.engine.parallel_mlp import DenseShard, ParallelFeedForward
+from splash_rollout.engine.rank_weights import rank_targets
 from splash_rollout.models.packed_linear import PACKED
-
-_ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj)\.weight$")
-_MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)$")
 
 
 def validate_update(named: dict[str, torch.Tensor], full_shapes: dict[str, tuple], check_finite: bool = True) -> None:
@@ -90,52 +89,60 @@ def _inexact_cast(t: torch.Tensor, dtype: torch.dtype) -> int:
     return int((~same).sum())
 
 
-def _heads(shard, attn, which: str, full: torch.Tensor) -> torch.Tensor:
-    a, b = shard.heads.start, shard.heads.stop
-    qk, kvd, v = attn.nope_dim + attn.rope_dim, attn.nope_dim + attn.v_dim, attn.v_dim
-    if which in ("q_b_proj", "q_proj"):
-        return full[a * qk: b * qk]
-    if which == "kv_b_proj":
-        return full[a * kvd: b * kvd]
-    return full[:, a * v: b * v]
-
-
-def _dense(shard: DenseShard, part: str, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    width = full.shape[1] // world_size if part == "down_proj" else full.shape[0] // world_size
-    a, b = rank * width, (rank + 1) * width
-    return full[:, a:b] if part == "down_proj" else full[a:b]
+@torch.inference_mode()
+def apply_update(model, shards, named: Mapping[str, torch.Tensor]) -> None:
+    """Copy validated full tensors into the parts of them this rank holds (``rank_targets``: its
+    heads, experts and MLP slices, the replicated rest). Inference mode: a live switch builds the
+    destination's shards inside a serving step, as inference tensors, and those only take in-place
+    writes under it (normal tensors take them there too)."""
+    targets = rank_targets(model, shards)
+    for name, full in named.items():
+        for target in targets.get(name, ()):
+            target.tensor.copy_(full[target.index] if target.index else full)
+    PACKED.clear()  # packed copies are of the old values; switch-built shards keep no version to tell
 
 
 @torch.inference_mode()
-def apply_update(model, shards, named: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
-    """Copy validated full tensors into this rank's shards and replicated parameters. Inference mode:
-    a live switch builds the destination's shards inside a serving step, as inference tensors, and
-    those only take in-place writes under it (normal tensors take them there too)."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    layers = model.model.layers
-    for name, full in named.items():
-        m = _ATTN.match(name)
-        if m:
-            i, which = int(m.group(1)), m.group(2)
-            key = {"q_b_proj": "q_b", "q_proj": "q_b", "kv_b_proj": "kv_b", "o_proj": "o"}[which]
-            getattr(shards[i], key).copy_(_heads(shards[i], layers[i].self_attn, which, full))
-            continue
-        m = _MLP.match(name)
-        if m and isinstance(layers[int(m.group(1))].mlp, ParallelFeedForward):
-            shard, rest = layers[int(m.group(1))].mlp.shard, m.group(2)
-            part = rest.split(".")[-2]
-            target = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}.get(part)
-            if isinstance(shard, DenseShard):
-                getattr(shard, target).copy_(_dense(shard, part, full, rank, world_size))
-            elif rest.startswith("shared_experts."):
-                getattr(shard.shared, target).copy_(_dense(shard.shared, part, full, rank, world_size))
-            elif rest.startswith("experts."):
-                e = int(rest.split(".")[1]) - shard.first_expert
-                if 0 <= e < len(shard.experts):
-                    shard.experts[e].get_parameter(rest.split(".", 2)[2]).copy_(full)
-            else:  # router: mlp.gate.weight / mlp.gate.e_score_correction_bias, replicated
-                getattr(shard.gate, rest.split(".", 1)[1]).copy_(full)
-            continue
-        (params.get(name) if name in params else buffers[name]).copy_(full)
-    PACKED.clear()  # packed copies are of the old values; switch-built shards keep no version to tell
+def apply_parts(model, shards, parts: list[tuple[str, tuple, torch.Tensor]]) -> None:
+    """Copy parts a driver already cut for this rank ((full name, part, values), as ``held_parts``
+    named them) into the tensors that hold them. A part this rank does not hold is an error."""
+    targets = rank_targets(model, shards)
+    for name, index, part in parts:
+        held = [t for t in targets.get(name, ()) if t.index == index]
+        if not held:
+            raise ValueError(f"update_weights: {name}{list(index)} is not a part this rank holds (the layout "
+                             f"changed since the push was cut?)")
+        for target in held:
+            target.tensor.copy_(part)
+    PACKED.clear()
+
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+"""Bytes of one rank's parts a driver sends in one message of a push (one part larger goes alone)."""
+
+
+def cut_push(named: Mapping[str, torch.Tensor], held_by_rank: list[dict[str, list[tuple]]],
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[list[tuple[str, tuple, torch.Tensor]]]]:
+    """A validated push cut for each rank: every rank's parts (``held_parts``) of the pushed tensors, in
+    buckets of at most ``bucket_bytes`` each. Yields one bucket per rank per round (empty where a rank
+    has nothing left), so each rank receives its own parts only and at most one bucket at a time is
+    cut per rank. Parts are compact CPU copies (a view would carry its whole tensor along)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes: expected a positive number of bytes, got {bucket_bytes}")
+    plans: list[list[list[tuple[str, tuple]]]] = []
+    for held in held_by_rank:
+        buckets: list[list[tuple[str, tuple]]] = [[]]
+        size = 0
+        for name, full in named.items():
+            for index in held.get(name, ()):
+                part = full[index] if index else full
+                nbytes = part.numel() * part.element_size()
+                if buckets[-1] and size + nbytes > bucket_bytes:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append((name, index))
+                size += nbytes
+        plans.append([b for b in buckets if b])
+    for round_ in range(max((len(p) for p in plans), default=0)):
+        yield [[(name, index, (named[name][index] if index else named[name]).detach().to("cpu", copy=True).contiguous())
+                for name, index in (plan[round_] if round_ < len(plan) else [])] for plan in plans]

@@ -13,7 +13,8 @@ import time
 
 from splash_rollout.layout.arith import GiB, MiB
 from splash_rollout.layout.bytes import KV_FORMATS, WEIGHT_DTYPES, AttentionBytes
-from splash_rollout.layout.footprint import FEED_FORWARD_PLACEMENTS, RankBudget, footprints, other_weight_bytes_per_rank
+from splash_rollout.layout.footprint import (FEED_FORWARD_PLACEMENTS, VOCAB_PLACEMENTS, RankBudget, footprints,
+                                             other_weight_bytes_per_rank)
 from splash_rollout.layout.layouts import ALL_LAYOUTS, Layout
 from splash_rollout.layout.limits import CohortSpec, longest_feasible_input
 from splash_rollout.layout.switch_plan import BatchKV, all_switches
@@ -75,6 +76,9 @@ def _add_footprint_options(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--page-size", type=_positive_int("--page-size"), default=64)
     p.add_argument("--feed-forward", choices=FEED_FORWARD_PLACEMENTS, default="sharded",
                    help="MLP / MoE weights over the ranks: 1/T each (sharded) or whole on every rank (replicated)")
+    p.add_argument("--vocab", choices=VOCAB_PLACEMENTS, default="replicated",
+                   help="embeddings and LM head over the ranks: whole on every rank (replicated: this engine) or "
+                        "split over the vocabulary (sharded: vocab-parallel deployments)")
     p.add_argument("--attention-only", action="store_true",
                    help="the budget holds attention weights and KV only (no MLP/MoE/embedding shards)")
     p.add_argument("--attention-weights-gib", type=_positive_float("--attention-weights-gib"),
@@ -103,7 +107,7 @@ def _footprints(args):
     _check_world_size(args.model, args.world_size)
     sizes = _sizes(args)
     other = 0 if args.attention_only else other_weight_bytes_per_rank(args.model, args.world_size, args.weight_dtype,
-                                                                         args.feed_forward)
+                                                                         args.feed_forward, args.vocab)
     budget = RankBudget.from_gib(args.memory_gib, args.mem_fraction, args.reserve_gib, other)
     if budget.attention_bytes <= 0:
         raise UsageError(f"--memory-gib: {args.memory_gib} GiB x {args.mem_fraction} leaves nothing after "

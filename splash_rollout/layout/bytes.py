@@ -101,11 +101,12 @@ class AttentionBytes:
             layer_rep = rep
             layer_kv = latent + rope
             if c.layer_has_indexer_cache(layer):
-                # wq_b [Hi*D, q_lora], wk [D, hidden], k_norm (weight + bias), weights_proj [Hi, hidden] in bf16
+                # wq_b [Hi*D, q_lora], wk [D, hidden], k_norm (weight + bias), weights_proj [Hi, hidden]: bf16 in
+                # fp8 checkpoints, float32 in a bf16 / fp32 model (kept float32 like the router, as transformers does)
                 layer_rep += (matrix_bytes(c.index_n_heads * c.index_head_dim, q_in, d)
                               + matrix_bytes(c.index_head_dim, c.hidden_size, d)
                               + 2 * vector_bytes(c.index_head_dim, d)
-                              + c.index_n_heads * c.hidden_size * (2 if d == "fp8" else _ELEMENT_BYTES[d]))
+                              + c.index_n_heads * c.hidden_size * (2 if d == "fp8" else 4))
                 layer_kv += kv_vector_bytes(c.index_head_dim, kv_format)
             switchable.append(w_a)
             replicated.append(layer_rep)

@@ -116,20 +116,28 @@ def footprints(sizes: AttentionBytes, world_size: int, budget: RankBudget,
 FEED_FORWARD_PLACEMENTS = ("sharded", "replicated")
 """Where the MLP / MoE weights live over T ranks: 1/T on each, or whole on every rank."""
 
+VOCAB_PLACEMENTS = ("replicated", "sharded")
+"""Where the embeddings and the LM head live over T ranks: whole on every rank (this engine: each rank
+embeds its own rows and computes whole-vocabulary logits for the rows it samples) or split over the
+vocabulary (vocab-parallel, as SGLang and vLLM deploy with tensor parallelism)."""
+
 
 def other_weight_bytes_per_rank(config: ModelConfig, world_size: int, weight_dtype: str = "fp8",
-                                feed_forward: str = "sharded") -> int:
-    """Weights no attention layout moves, per rank: embeddings and lm_head split over the vocabulary,
-    and the feed-forward blocks -- ``sharded``: dense MLP in TP, routed experts spread over ranks,
-    shared experts in TP (all / T); ``replicated``: all of them on every rank -- plus the replicated
-    router and layer norms. Embeddings and lm_head stay bf16 in fp8 checkpoints."""
+                                feed_forward: str = "sharded", vocab: str = "replicated") -> int:
+    """Weights no attention layout moves, per rank: the embeddings and the LM head -- ``vocab``
+    ``replicated`` (this engine) or ``sharded`` over the vocabulary --, the feed-forward blocks --
+    ``sharded``: dense MLP in TP, routed experts spread over ranks, shared experts in TP (all / T);
+    ``replicated``: all of them on every rank --, plus the replicated router and layer norms.
+    Embeddings and lm_head stay bf16 in fp8 checkpoints."""
     if feed_forward not in FEED_FORWARD_PLACEMENTS:
         raise ValueError(f"feed_forward: expected one of {FEED_FORWARD_PLACEMENTS}, got {feed_forward!r}")
+    if vocab not in VOCAB_PLACEMENTS:
+        raise ValueError(f"vocab: expected one of {VOCAB_PLACEMENTS}, got {vocab!r}")
     c, d = config, weight_dtype
     ff_ranks = world_size if feed_forward == "sharded" else 1
     vocab_dtype = "bf16" if d == "fp8" else d
     total = matrix_bytes(c.vocab_size, c.hidden_size, vocab_dtype) * (1 if c.tie_word_embeddings else 2)
-    per_rank = ceil_div(total, world_size)
+    per_rank = ceil_div(total, world_size if vocab == "sharded" else 1)
     replicated = vector_bytes(c.hidden_size, d)  # final norm
     for layer in range(c.num_layers):
         replicated += 2 * vector_bytes(c.hidden_size, d)

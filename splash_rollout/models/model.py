@@ -8,7 +8,9 @@ keeps them); use ``cast_model`` rather than ``.to(dtype)`` to change dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -104,23 +106,26 @@ class MLAForCausalLM(nn.Module):
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
+    def skeleton(cls, config: ModelConfig, dtype: torch.dtype = torch.float32) -> "MLAForCausalLM":
+        """The model without storage (every parameter and buffer on the meta device) in ``dtype``
+        (the float32-kept ones stay float32): shapes and names only, for a loader to place and fill
+        (``materialize``, ``weights.load_into``)."""
+        with torch.device("meta"), _initialisers_skipped():
+            model = cls(config)
+        return cast_model(model, dtype).eval()
+
+    @classmethod
     def from_config(cls, config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> "MLAForCausalLM":
         """Seeded random init (same seed => identical state_dict): linears and embeddings N(0, 0.02),
         norm weights 1, LayerNorm biases 0, e_score_correction_bias 0. Independent of global RNG."""
-        model = cls(config)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("norm.bias"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
-            for name, buf in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buf.zero_()
-        return cast_model(model, dtype)
+        from splash_rollout.models.weights import full_shapes_of, load_into, preset_source, whole_model_targets
+
+        model = cls.skeleton(config, dtype).train()
+        shapes = {n: s for n, (s, _) in full_shapes_of(model).items()}
+        source = preset_source(model, seed)
+        materialize(model, "cpu")
+        load_into(source, whole_model_targets(model), shapes, config.tie_word_embeddings)
+        return model
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> "MLAForCausalLM":
@@ -128,3 +133,35 @@ class MLAForCausalLM(nn.Module):
         from splash_rollout.models.weights import load_checkpoint
 
         return load_checkpoint(path, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    """``torch.nn.init``'s initialisers do nothing inside (process-wide, while a skeleton is built):
+    a skeleton's values are never read, and on the meta device ``normal_`` alone pulls in torch's
+    Python decompositions (~900 modules, 75 MB of every rank's memory)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def materialize(module: nn.Module, device: str | torch.device) -> None:
+    """Give every meta parameter and buffer of ``module`` uninitialised storage on ``device`` (same
+    shape, dtype and ``requires_grad``); tied parameters stay one tensor. In place; a loader fills
+    the values next."""
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for table, wrap in ((m._parameters, True), (m._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if wrap else new
+                table[name] = made[id(t)]

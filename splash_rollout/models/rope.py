@@ -30,9 +30,10 @@ def _rope_type(scaling: Mapping[str, Any] | None) -> str:
 
 
 def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rope/2] float32, attention_factor multiplying cos and sin)."""
+    """(inv_freq [rope/2] float32 on the CPU -- also when a model is built on the meta device: it is
+    not a parameter -- and the attention_factor multiplying cos and sin)."""
     dim, base = config.qk_rope_head_dim, config.rope_theta
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     rope_type = _rope_type(config.rope_scaling)
     if rope_type == "default":
         return 1.0 / (base ** exponents), 1.0
@@ -62,7 +63,7 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** exponents
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # 1 = keep the original (extrapolated) frequency

@@ -1,60 +1,65 @@
-"""Safetensors loading and saving with HF parameter names.
+"""Weights under HF names, read a part at a time: checkpoints, seeded presets, in-memory tensors.
 
-Reads a checkpoint folder: ``config.json`` plus one ``model.safetensors`` or shards listed in
-``model.safetensors.index.json`` (any ``*.safetensors`` otherwise). Understands:
+Why parts: a rank of a T-rank engine holds a slice of most tensors (its heads of the attention
+projections, its experts, its share of the dense blocks), and DeepSeek-V3's 671 B parameters are
+~690 GB of float8: nothing may read a whole checkpoint into memory to keep a slice of it. So a
+``WeightSource`` answers ``read(name, index)`` -- the values of ``full[name][index]`` -- and
+``load_into`` copies into each of a model's tensors exactly the part it holds (``Target``: a tensor
+and the index of the full tensor it holds). Who holds which part is the engine's business
+(``engine/rank_weights.py``); a whole model (a trainer's) holds every part of every tensor.
+
+``CheckpointSource`` reads a checkpoint folder: ``config.json`` plus one ``model.safetensors`` or
+shards listed in ``model.safetensors.index.json`` (any ``*.safetensors`` otherwise), each file a
+memory map (``safetensors_file.py``) whose tensors are zero-copy views: a slice read is one copy
+from the page cache into its parameter. It understands:
 
 * per-expert names ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what the hubs ship and what
   transformers 5 ``save_pretrained`` writes) and the packed transformers-internal form
-  ``mlp.experts.gate_up_proj`` [E, 2I, hidden] / ``mlp.experts.down_proj`` [E, hidden, I];
+  ``mlp.experts.gate_up_proj`` [E, 2I, hidden] / ``mlp.experts.down_proj`` [E, hidden, I], served
+  per expert;
 * fp8 block-scaled weights (``X.weight`` float8_e4m3fn with ``X.weight_scale_inv`` [ceil(out/b),
-  ceil(in/b)], b = 128 unless ``quantization_config.weight_block_size`` says otherwise), dequantised
-  to float32 on load before the cast to the model dtype;
+  ceil(in/b)], b = 128 unless ``quantization_config.weight_block_size`` says otherwise),
+  dequantised to float32 slice by slice (only the scale blocks a slice touches) before the cast to
+  the model dtype;
 * MTP layers (index >= num_hidden_layers, ``num_nextn_predict_layers``), skipped with a note.
 
-Errors name the tensor: missing names, unexpected names, shape mismatches (expected vs got).
+``PresetSource`` is a preset's seeded random init, one tensor at a time; ``StateSource`` a dict of
+full tensors. Errors name the tensor: missing names, unexpected names, shape mismatches (expected
+vs got), float8 without its scales.
 """
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import os
 import re
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.safetensors_file import SafetensorsFile
 
 log = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _PACKED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_FP8_BLOCK = (128, 128)
+
+Index = tuple
+"""A part of a full tensor, as a tuple of slices (and ints) that index it; ``()`` is all of it."""
 
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the model: the message names the tensors."""
 
 
-def checkpoint_files(path: str | os.PathLike) -> list[str]:
-    path = os.fspath(path)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"checkpoint {path!r}: no *.safetensors files")
-    return files
-
-
+# ---- fp8 -----------------------------------------------------------------------------------------
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
                    block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
     """weight [out, in] float8 and scale_inv [ceil(out/bo), ceil(in/bi)] -> float32 [out, in]."""
@@ -64,7 +69,19 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
     if tuple(scale_inv.shape) != expected:
         raise CheckpointError(f"fp8 scale_inv: expected shape {expected} for weight {tuple(weight.shape)}, "
                               f"got {tuple(scale_inv.shape)}")
-    scale = scale_inv.float().repeat_interleave(bo, 0)[:out_dim].repeat_interleave(bi, 1)[:, :in_dim]
+    return _dequantize_part(weight, scale_inv, block, 0, 0)
+
+
+def _dequantize_part(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], row0: int,
+                     col0: int) -> torch.Tensor:
+    """The float32 values of a float8 part [rows, cols] whose first element is at (row0, col0) of the
+    full weight; ``scale_inv`` is the full weight's block scales. Reads only the blocks it covers."""
+    bo, bi = block
+    rows, cols = weight.shape
+    br, bc = row0 // bo, col0 // bi
+    scales = scale_inv[br: -(-(row0 + rows) // bo), bc: -(-(col0 + cols) // bi)].float()
+    scale = scales.repeat_interleave(bo, 0)[row0 - br * bo: row0 - br * bo + rows]
+    scale = scale.repeat_interleave(bi, 1)[:, col0 - bc * bi: col0 - bc * bi + cols]
     return weight.float() * scale
 
 
@@ -83,70 +100,278 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOC
     return q.to(torch.float8_e4m3fn), scale_inv
 
 
-def read_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder, float8 weights dequantised to float32, packed experts
-    split per expert, MTP layers dropped. Names are HF names."""
+def _bounds(index: Index, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Per dimension of a 2-D part: (first, stop) of a step-1 slice (ints are rejected)."""
+    out = []
+    for d, size in enumerate(shape):
+        s = index[d] if d < len(index) else slice(None)
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise CheckpointError(f"fp8 weights are read in contiguous 2-D slices, got index {index!r}")
+        first, stop, _ = s.indices(size)
+        out.append((first, stop))
+    return out
+
+
+# ---- sources -------------------------------------------------------------------------------------
+class WeightSource(abc.ABC):
+    """A full model's tensors under HF names, read a part at a time."""
+
+    @abc.abstractmethod
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's full shape, by name."""
+
+    def order(self) -> list[str]:
+        """The names in the order reading them is cheapest (a file's tensors in file order)."""
+        return list(self.shapes())
+
+    @abc.abstractmethod
+    def read(self, name: str, index: Index = ()) -> torch.Tensor:
+        """The values of ``full[name][index]`` (any dtype; the caller casts). May be a view of the
+        source: copy it before the next read."""
+
+    def close(self) -> None:
+        """Release what the source holds open (files)."""
+
+    def __enter__(self) -> "WeightSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one HF-named tensor of a checkpoint lives: a file's tensor, or a piece of a packed one."""
+
+    file: int
+    key: str
+    shape: tuple[int, ...]
+    pick: Index = ()
+    """The part of the stored tensor that is this name's (packed experts: one expert, gate or up)."""
+    scale: tuple[int, str] | None = None
+    """(file, key) of a float8 tensor's ``weight_scale_inv``."""
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
     path = os.fspath(path)
-    config = config or ModelConfig.from_hf(path)
-    block = tuple((config.extra.get("quantization_config") or {}).get("weight_block_size", DEFAULT_FP8_BLOCK))
-    raw: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                raw[name] = f.get_tensor(name)
-    tensors: dict[str, torch.Tensor] = {}
-    skipped_layers: set[int] = set()
-    for name, t in raw.items():
-        m = _LAYER_RE.match(name)
-        if m and int(m.group(1)) >= config.num_layers:
-            skipped_layers.add(int(m.group(1)))
-            continue
-        if name.endswith("weight_scale_inv") or _IGNORED.search(name):
-            continue
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale = raw.get(name + "_scale_inv")
-            if scale is None:
-                raise CheckpointError(f"{name}: float8 weight without {name}_scale_inv")
-            t = dequantize_fp8(t, scale, block)  # type: ignore[arg-type]
-        packed = _PACKED_RE.match(name)
-        if packed:
-            prefix, kind = packed.groups()
-            for e in range(t.shape[0]):
-                if kind == "gate_up_proj":
-                    gate, up = t[e].chunk(2, dim=0)
-                    tensors[f"{prefix}.{e}.gate_proj.weight"] = gate
-                    tensors[f"{prefix}.{e}.up_proj.weight"] = up
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint {path!r}: no *.safetensors files")
+    return files
+
+
+class CheckpointSource(WeightSource):
+    """A checkpoint folder, memory-mapped; reads copy only the part asked for (see the module doc)."""
+
+    def __init__(self, path: str | os.PathLike, config: ModelConfig | None = None) -> None:
+        self.path = os.fspath(path)
+        self.config = config or ModelConfig.from_hf(self.path)
+        quant = self.config.extra.get("quantization_config") or {}
+        self.block = tuple(quant.get("weight_block_size", DEFAULT_FP8_BLOCK))
+        self.files = [SafetensorsFile(f) for f in checkpoint_files(self.path)]
+        self.skipped_layers: set[int] = set()
+        """MTP layers (index >= num_hidden_layers) present in the files and not modelled."""
+        self._stored: dict[str, _Stored] = {}
+        self._begin: dict[str, tuple[int, int]] = {}
+        self._index_files()
+        if self.skipped_layers:
+            log.info("checkpoint %s: skipped MTP layers %s (num_nextn_predict_layers=%s); not modelled",
+                     self.path, sorted(self.skipped_layers), self.config.extra.get("num_nextn_predict_layers"))
+
+    def _index_files(self) -> None:
+        scales = {key: i for i, f in enumerate(self.files) for key in f.entries if key.endswith("_scale_inv")}
+        for i, f in enumerate(self.files):
+            for key, entry in f.entries.items():
+                m = _LAYER_RE.match(key)
+                if m and int(m.group(1)) >= self.config.num_layers:
+                    self.skipped_layers.add(int(m.group(1)))
+                    continue
+                if key.endswith("weight_scale_inv") or _IGNORED.search(key):
+                    continue
+                scale = key + "_scale_inv"
+                if entry.dtype in _FP8 and scale not in scales:
+                    raise CheckpointError(f"{key}: float8 weight without {scale}")
+                scale = (scales[scale], scale) if entry.dtype in _FP8 else None
+                packed = _PACKED_RE.match(key)
+                if packed:
+                    if scale is not None:
+                        raise CheckpointError(f"{key}: packed float8 experts are not supported; ship them per expert")
+                    self._add_packed(i, key, entry.shape, *packed.groups())
                 else:
-                    tensors[f"{prefix}.{e}.down_proj.weight"] = t[e]
-            continue
-        tensors[name] = t
-    if skipped_layers:
-        log.info("checkpoint %s: skipped MTP layers %s (num_nextn_predict_layers=%s); not modelled",
-                 path, sorted(skipped_layers), config.extra.get("num_nextn_predict_layers"))
-    return tensors
+                    self._stored[key] = _Stored(i, key, entry.shape, (), scale)
+                    self._begin[key] = (i, entry.begin)
+
+    def _add_packed(self, file: int, key: str, shape: tuple[int, ...], prefix: str, kind: str) -> None:
+        experts, rows, cols = shape
+        begin = self.files[file].entries[key].begin
+        for e in range(experts):
+            if kind == "gate_up_proj":  # [E, 2I, hidden]: gate rows first, then up
+                half = rows // 2
+                for part, rs in (("gate_proj", slice(0, half)), ("up_proj", slice(half, rows))):
+                    name = f"{prefix}.{e}.{part}.weight"
+                    self._stored[name] = _Stored(file, key, (half, cols), (e, rs))
+                    self._begin[name] = (file, begin)
+            else:  # down_proj [E, hidden, I]
+                name = f"{prefix}.{e}.down_proj.weight"
+                self._stored[name] = _Stored(file, key, (rows, cols), (e,))
+                self._begin[name] = (file, begin)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: s.shape for name, s in self._stored.items()}
+
+    def order(self) -> list[str]:
+        return sorted(self._stored, key=lambda n: self._begin[n])
+
+    def read(self, name: str, index: Index = ()) -> torch.Tensor:
+        stored = self._stored[name]
+        f = self.files[stored.file]
+        whole = f.view(stored.key)[stored.pick] if stored.pick else f.view(stored.key)
+        if stored.scale is None:
+            return whole[index] if index else whole
+        (r0, r1), (c0, c1) = _bounds(index, stored.shape)
+        scale_file, scale_key = stored.scale
+        return _dequantize_part(whole[r0:r1, c0:c1], self.files[scale_file].view(scale_key), self.block, r0, c0)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
 
 
-def load_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy HF-named tensors into ``model`` (keeping each parameter's dtype). Raises CheckpointError
-    listing missing / unexpected names and every shape mismatch."""
-    targets = model.state_dict(keep_vars=True)  # includes both names of tied weights
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    missing = sorted(n for n in targets if n not in tensors and not (tied and n == "lm_head.weight"))
-    unexpected = sorted(n for n in tensors if n not in targets)
+class StateSource(WeightSource):
+    """Full tensors in memory (a trainer's state dict): reads are views of them."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = dict(tensors)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self.tensors.items()}
+
+    def read(self, name: str, index: Index = ()) -> torch.Tensor:
+        t = self.tensors[name]
+        return t[index] if index else t
+
+
+def init_value(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A preset's seeded init of one parameter, float32: norm weights 1, norm biases 0, everything
+    else N(0, 0.02) drawn from ``generator`` (parameters are drawn in sorted-name order)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("norm.bias"):
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=generator, dtype=torch.float32) * 0.02
+
+
+def _draws(name: str) -> bool:
+    return not name.endswith(("norm.weight", "norm.bias"))
+
+
+class PresetSource(WeightSource):
+    """A preset's seeded random init (``MLAForCausalLM.from_config``), one tensor at a time: the
+    parameters are drawn from one generator in sorted-name order, so a read draws (and drops) every
+    earlier tensor it skipped; buffers (the router's correction bias) are zeros. Read in ``order()``."""
+
+    def __init__(self, parameters: Mapping[str, tuple[int, ...]], buffers: Mapping[str, tuple[int, ...]],
+                 seed: int) -> None:
+        self.parameters, self.buffers, self.seed = dict(parameters), dict(buffers), seed
+        self._sorted = sorted(self.parameters)
+        self._next = 0
+        self._generator = torch.Generator().manual_seed(seed)
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {**self.parameters, **self.buffers}
+
+    def order(self) -> list[str]:
+        return self._sorted + sorted(self.buffers)
+
+    def read(self, name: str, index: Index = ()) -> torch.Tensor:
+        if name in self.buffers:
+            full = torch.zeros(self.buffers[name])
+            return full[index] if index else full
+        if self._last is None or self._last[0] != name:
+            position = self._sorted.index(name)
+            if position < self._next:
+                raise RuntimeError(f"PresetSource: {name} read after a later tensor (read in order())")
+            for skipped in self._sorted[self._next:position]:  # advance the generator past them
+                if _draws(skipped):
+                    torch.randn(self.parameters[skipped], generator=self._generator, dtype=torch.float32)
+            self._last = (name, init_value(name, self.parameters[name], self._generator))
+            self._next = position + 1
+        full = self._last[1]
+        return full[index] if index else full
+
+
+def preset_source(model: torch.nn.Module, seed: int) -> PresetSource:
+    """The seeded init of a whole model's parameters and buffers (meta or real; names as
+    ``named_parameters``, so a tied LM head is the embedding)."""
+    return PresetSource({n: tuple(p.shape) for n, p in model.named_parameters()},
+                        {n: tuple(b.shape) for n, b in model.named_buffers()}, seed)
+
+
+# ---- loading into a model --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """A tensor of a model (a parameter, a buffer, a projection shard) and the part of the full
+    tensor it holds."""
+
+    tensor: torch.Tensor
+    index: Index = ()
+
+
+def check_source(source: WeightSource, full_shapes: Mapping[str, tuple], tied: bool = False) -> None:
+    """Raise CheckpointError listing missing / unexpected names and every shape mismatch between a
+    source and the full model (``full_shapes``: name -> shape); with ``tied`` the LM head may be
+    absent (it is the embedding)."""
+    have = source.shapes()
+    missing = sorted(n for n in full_shapes if n not in have and not (tied and n == "lm_head.weight"))
+    unexpected = sorted(n for n in have if n not in full_shapes)
     problems: list[str] = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {_preview(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {_preview(unexpected)}")
-    for name, t in tensors.items():
-        if name in targets and tuple(targets[name].shape) != tuple(t.shape):
-            problems.append(f"shape mismatch for {name}: expected {tuple(targets[name].shape)}, got {tuple(t.shape)}")
+    for name, shape in have.items():
+        if name in full_shapes and tuple(full_shapes[name]) != tuple(shape):
+            problems.append(f"shape mismatch for {name}: expected {tuple(full_shapes[name])}, got {tuple(shape)}")
     if problems:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(problems))
-    with torch.no_grad():
-        for name, t in tensors.items():
-            dst = targets[name]
-            dst.copy_(t.to(dst.dtype))
+
+
+@torch.no_grad()
+def load_into(source: WeightSource, targets: Mapping[str, list[Target]], full_shapes: Mapping[str, tuple],
+              tied: bool = False) -> None:
+    """Copy into every target the part of its full tensor it holds, reading the source in its
+    cheapest order; names no target holds (another rank's experts) are never read. Checked first
+    (``check_source``), so a mismatched source changes nothing."""
+    check_source(source, full_shapes, tied)
+    for name in source.order():
+        for target in targets.get(name, ()):
+            part = source.read(name, target.index)
+            if tuple(part.shape) != tuple(target.tensor.shape):
+                raise CheckpointError(f"{name}{list(target.index)}: the source's part has shape "
+                                      f"{tuple(part.shape)}, the model's tensor {tuple(target.tensor.shape)}")
+            target.tensor.copy_(part)
+
+
+def whole_model_targets(model: torch.nn.Module) -> dict[str, list[Target]]:
+    """Every tensor of a whole (unsharded) model holds all of its full tensor (the tied LM head is
+    the embedding's tensor and is filled through it)."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    return {name: [Target(t)] for name, t in model.state_dict(keep_vars=True).items()
+            if not (tied and name == "lm_head.weight")}
+
+
+def full_shapes_of(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor of a whole model (meta or real)."""
+    return {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
 
 
 def _preview(names: Iterable[str], limit: int = 8) -> str:
@@ -155,14 +380,25 @@ def _preview(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def read_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder as a dict of copies (float8 dequantised to float32, packed
+    experts per expert, MTP layers dropped), HF names. Holds the whole checkpoint in memory: for tools
+    and tests; models load through ``load_into``."""
+    with CheckpointSource(path, config) as source:
+        return {name: source.read(name).clone() for name in source.order()}
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """Build an MLAForCausalLM from a HF checkpoint folder."""
-    from splash_rollout.models.model import MLAForCausalLM, cast_model
+    """A whole MLAForCausalLM from a HF checkpoint folder (for a trainer): made without storage,
+    given its storage, then filled tensor by tensor from the memory-mapped files."""
+    from splash_rollout.models.model import MLAForCausalLM, materialize
 
     config = ModelConfig.from_hf(path)
-    tensors = read_checkpoint(path, config)
-    model = cast_model(MLAForCausalLM(config), dtype)
-    load_state(model, tensors)
+    model = MLAForCausalLM.skeleton(config, dtype)
+    shapes = {n: s for n, (s, _) in full_shapes_of(model).items()}
+    materialize(model, "cpu")
+    with CheckpointSource(path, config) as source:
+        load_into(source, whole_model_targets(model), shapes, config.tie_word_embeddings)
     return model
 
 

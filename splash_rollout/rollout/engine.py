@@ -18,13 +18,12 @@ import numpy as np
 import torch
 
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.engine.weight_update import validate_update
+from splash_rollout.engine.weight_update import DEFAULT_BUCKET_BYTES, validate_update
 from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.models.numerics import numerics_mode, set_numerics
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost, worker_build, worker_can_ever_admit,
-                                          worker_memory_stats, worker_request_switch, worker_sleep,
-                                          worker_update_weights, worker_wake_up)
+                                          worker_memory_stats, worker_request_switch, worker_sleep, worker_wake_up)
 from splash_rollout.rollout.progress import progress_enabled
 from splash_rollout.rollout.call_modes import StreamingCall, WholeCall, call_mode
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics, speculation_metrics
@@ -440,11 +439,16 @@ class RolloutEngine:
         (some may still sit in a collective, a switch may be half-moved), so the engine stops its
         ranks and every later call says why (an input error never gets this far: it is raised before
         anything is sent). A single rank stays usable: nothing can be out of step."""
+        return self._guarded(fn.__name__, lambda: self._host.run(fn, *args))
+
+    def _guarded(self, what: str, work: Callable[[], Any]) -> Any:
+        """``work()``, which talks to the ranks; a failure on more than one rank breaks the engine
+        (see ``_on_ranks``)."""
         try:
-            return self._host.run(fn, *args)
+            return work()
         except BaseException as e:
             if self.config.parallel.world_size > 1:
-                self._fail(fn.__name__, e)
+                self._fail(what, e)
             raise
 
     def _fail(self, what: str, e: BaseException) -> None:
@@ -497,18 +501,21 @@ class RolloutEngine:
         return self._on_ranks(worker_memory_stats)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int | None = None,
-                       check_finite: bool = True) -> None:
+                       check_finite: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Put full (trainer-side) weights into the engine's current layout, named as the model's
-        parameters. Each rank slices its own shards; a bad push (unknown name, a shard or placeholder
-        instead of the full parameter, shape, a dtype that does not cast exactly, and with
-        ``check_finite`` a NaN or infinity, naming the first such tensor and its count) is rejected as
-        a whole before any weight changes, and the old weights keep serving. ``check_finite`` reads
-        the push once (one sum per tensor), here in the calling process: less than the copy the update
-        makes (30-300 ms per 100 MB on a loaded 2-core CPU, ~400 ms for one copy). ``version`` is stamped on later samples."""
+        parameters. Each rank gets only its own parts: ranks in this process (or the caller's torchrun
+        ranks) cut them from the tensors they were given; spawned ranks receive theirs from here, cut
+        for each rank's current layout, in buckets of at most ``bucket_bytes`` per rank. A bad push
+        (unknown name, a shard or placeholder instead of the full parameter, shape, a dtype that does
+        not cast exactly, and with ``check_finite`` a NaN or infinity, naming the first such tensor and
+        its count) is rejected as a whole before any weight changes, and the old weights keep
+        serving. ``check_finite`` reads the push once (one sum per tensor), here in the calling
+        process: less than the copy the update makes (30-300 ms per 100 MB on a loaded 2-core CPU,
+        ~400 ms for one copy). ``version`` is stamped on later samples."""
         self._check_usable("update_weights")
         self._check_awake("update_weights")
         validate_update(named_tensors, self._full_shapes, check_finite)  # here, before anything is sent
-        self._on_ranks(worker_update_weights, dict(named_tensors))
+        self._guarded("update_weights", lambda: self._host.push_weights(dict(named_tensors), bucket_bytes))
         if version is not None:
             self.weight_version = version
 

@@ -13,25 +13,17 @@ records cross processes, never torch.Generator objects.
 """
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
-from splash_rollout.scheduling.admission import AdmissionSettings
-from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
+from splash_rollout.engine.engine import Engine
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.layout.layouts import Layout
-from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
-from splash_rollout.models.numerics import set_numerics
-from splash_rollout.rollout.process_settings import apply_cpu_process_settings
+from splash_rollout.rollout.build import build_engine, compute_backend
 from splash_rollout.rollout.validation import agree_across_ranks
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -130,6 +122,11 @@ class LocalHost:
         result = fn(self.ctx, *args)
         return self.control.broadcast_object(result) if self.ctx.world_size > 1 else result
 
+    def push_weights(self, named: dict, bucket_bytes: int) -> None:
+        """Every rank here has the full tensors (it is the caller, or one of the caller's ranks): each
+        cuts its own parts."""
+        self.run(worker_update_weights, named)
+
     def interrupt(self) -> None:
         self.ctx.abort.set()
 
@@ -157,6 +154,15 @@ class SpawnedHost:
     def run(self, fn, *args, timeout_s: float | None = None) -> Any:
         return self.group.run(fn, *args, timeout_s=timeout_s)[0]
 
+    def push_weights(self, named: dict, bucket_bytes: int) -> None:
+        """Each rank receives only its own parts of the push (asked of it first: they follow its
+        current layout), in buckets of at most ``bucket_bytes``."""
+        from splash_rollout.engine.weight_update import cut_push
+
+        held = self.group.run(worker_held_parts)
+        for buckets in cut_push(named, held, bucket_bytes):
+            self.group.run_each(worker_update_parts, [(b,) for b in buckets])
+
     def interrupt(self) -> None:
         self.group.interrupt.set()
 
@@ -177,103 +183,6 @@ class SpawnedHost:
     def after_failure(self) -> None:
         """A failed call leaves the ranks out of step: stop them."""
         self.shutdown(force=True)
-
-
-def compute_backend(device: str, world_size: int) -> str:
-    """The compute and transfer groups' backend: NCCL when every rank gets its own GPU, else gloo
-    (the control group is gloo either way)."""
-    if str(device).startswith("cuda") and torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
-# ---- building the engine on a rank ------------------------------------------------------------------
-def load_model(config, model_config: ModelConfig):
-    """The full model on this rank (a checkpoint folder, or the preset's seeded random init)."""
-    from splash_rollout.models.model import MLAForCausalLM
-
-    dtype = TORCH_DTYPES[config.model.dtype]
-    source = config.model.source
-    if isinstance(source, (str, os.PathLike)) and os.fspath(source) not in PRESETS:
-        return MLAForCausalLM.from_pretrained(os.fspath(source), dtype=dtype).eval()
-    return MLAForCausalLM.from_config(model_config, seed=config.model.seed, dtype=dtype).eval()
-
-
-def engine_settings(config, model_config: ModelConfig, world_size: int) -> EngineSettings:
-    """An EngineConfig's serving settings on T ranks: the pools each layout gets from the budget."""
-    dtype = TORCH_DTYPES[config.model.dtype]
-    auto = config.parallel.auto
-    layout = Layout.DP if auto else Layout.parse(config.parallel.layout)  # auto starts where wide batches run well
-    budget = int(config.memory.memory_budget_gib * 2**30)
-    by_layout = None if config.memory.num_pages else {
-        l: pages_per_rank(model_config, l, world_size, budget, config.memory.page_size, dtype) for l in Layout}
-    num_pages = config.memory.num_pages or by_layout[layout]
-    if num_pages < 1:
-        raise ValueError(f"memory_budget_gib: {config.memory.memory_budget_gib} GiB per rank holds no KV page after "
-                         f"the {layout} attention weights")
-    schedule = {int(step): Layout.parse(l, "switch_schedule")
-                for step, l in (config.parallel.switch_schedule or {}).items()}
-    batching, memory = config.batching, config.memory
-    return EngineSettings(layout=layout, num_pages=num_pages, page_size=memory.page_size,
-                          max_num_batched_tokens=batching.max_num_batched_tokens, max_num_seqs=batching.max_num_seqs,
-                          attention_backend=config.compute.attention_backend, dtype=dtype,
-                          device=rank_device(config, 0),
-                          pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
-                          reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
-                          admission=AdmissionSettings(mode=memory.admission), prefix_sharing=memory.prefix_sharing,
-                          return_routing=config.outputs.return_routing,
-                          cpu_share=config.compute.cpu_share, driver=config.driver,
-                          speculation=config.compute.speculation, feed_forward=config.parallel.feed_forward,
-                          decode_window=config.parallel.decode_window)
-
-
-def rank_device(config, rank: int) -> str:
-    """The device a rank computes on: ``EngineConfig.parallel.device``; a bare ``cuda`` spreads ranks over GPUs."""
-    device = str(config.parallel.device)
-    if device == "cuda" and torch.cuda.is_available():
-        return f"cuda:{rank % torch.cuda.device_count()}"
-    return device
-
-
-def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=None) -> Engine:
-    """This rank's Engine for an EngineConfig (collective: every rank calls it)."""
-    import dataclasses
-
-    apply_cpu_process_settings(config.compute, config.parallel.device)
-    set_numerics(config.compute.numerics)
-    model_config = resolve_model(config.model.source)
-    settings = engine_settings(config, model_config, groups.world_size)
-    settings = dataclasses.replace(settings, device=rank_device(config, groups.rank))
-    policy, price_step = None, None
-    budget = int(config.memory.memory_budget_gib * 2**30)
-    if config.parallel.auto and groups.rank == 0 and groups.world_size > 1:
-        policy = make_policy(config, model_config, groups.world_size, budget, settings.dtype)
-    if config.compute.speculation == "auto" and groups.rank == 0:  # the speculation gate prices with the same θ
-        pricing = policy or make_policy(config, model_config, groups.world_size, budget, settings.dtype)
-        price_step = lambda layout, step: pricing.pricer.price(layout, step).seconds  # noqa: E731
-    return Engine(load_model(config, model_config), model_config, groups, settings, policy=policy,
-                  price_step=price_step, heartbeat=heartbeat, should_abort=should_abort)
-
-
-def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes: int, dtype: torch.dtype):
-    """π over this engine's real pools (the ownership model at this budget) and the profile's rates."""
-    import dataclasses
-
-    from splash_rollout.engine.engine import sizes_for
-    from splash_rollout.layout.footprint import RankBudget, footprints
-    from splash_rollout.scheduling.deployment import Deployment
-    from splash_rollout.scheduling.online import StepTimeCorrection
-    from splash_rollout.scheduling.policy import LayoutPolicy
-    from splash_rollout.scheduling.profile import load_profile
-
-    profile = dataclasses.replace(load_profile(config.pricing.profile), world_size=world_size,
-                                  memory_bytes=budget_bytes, mem_fraction=1.0,
-                                  feed_forward=config.parallel.feed_forward)
-    sizes = sizes_for(model_config, dtype)
-    fps = footprints(sizes, world_size, RankBudget(budget_bytes), config.memory.page_size)
-    return LayoutPolicy(Deployment(model_config, profile, sizes, fps, config.memory.page_size, sizes.weight_dtype,
-                                   sizes.kv_format), config=config.policy,
-                        correction=StepTimeCorrection() if config.pricing.online_correction else None)
 
 
 # ---- what every rank runs (module level so they pickle by name) ----------------------------------------
@@ -316,6 +225,14 @@ def worker_can_ever_admit(ctx, records: list[RequestRecord]) -> list[bool]:
 
 def worker_update_weights(ctx, named) -> None:
     ctx.state["engine"].update_weights(named)
+
+
+def worker_held_parts(ctx) -> dict:
+    return ctx.state["engine"].held_parts()
+
+
+def worker_update_parts(ctx, parts) -> None:
+    ctx.state["engine"].update_parts(parts)
 
 
 def worker_sleep(ctx) -> None:

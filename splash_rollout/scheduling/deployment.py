@@ -58,7 +58,8 @@ class Deployment:
         model, profile = resolve_model(model), load_profile(profile)
         sizes = AttentionBytes.from_model(model, weight_dtype, kv_format)
         t = profile.world_size
-        other = other_weight_bytes_per_rank(model, t, weight_dtype, profile.feed_forward)
+        # the published deployments (SGLang) split the embeddings and the LM head over the vocabulary
+        other = other_weight_bytes_per_rank(model, t, weight_dtype, profile.feed_forward, vocab="sharded")
         fps = {}
         for l in ALL_LAYOUTS:
             reserve = profile.reserve_bytes + int(profile.per_layout("workspace_bytes", l.value))

@@ -79,7 +79,8 @@ def memory_report(ctx, model: str, layout: str, budget_bytes: int):
     """Per rank: bytes read from the tensors, the pool in tokens, and how many long requests are
     admitted at once under a per-rank budget."""
     engine = build_group_engine(ctx, model, layout, budget_bytes=budget_bytes)
-    report = dict(engine.resident_bytes(), pool_tokens=engine.state.pool.num_slots)
+    report = dict(engine.resident_bytes(), pool_tokens=engine.state.pool.num_slots,
+                  weights=engine.memory_stats()["weights"])
     if ctx.rank == 0:
         cfg = MODELS[model]
         long = [Request(i, [5] * 500, SamplingSpec(max_new_tokens=200, seed=i), cfg.max_position_embeddings)

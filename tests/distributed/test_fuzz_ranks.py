@@ -7,8 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from splash_rollout import EngineConfig, RolloutEngine
-from splash_rollout.models.config import resolve_model
-from splash_rollout.rollout.ranks import load_model
+from splash_rollout.rollout.build import whole_model
 from tests.fuzz_surface import PROBE, operations, run_operations
 
 CFG = EngineConfig(model="glm5-nano", world_size=2, layout="dp", page_size=8, max_num_batched_tokens=64,
@@ -17,7 +16,7 @@ CFG = EngineConfig(model="glm5-nano", world_size=2, layout="dp", page_size=8, ma
 
 @pytest.fixture(scope="module")
 def fuzzed():
-    weights = load_model(CFG, resolve_model(CFG.model.source)).state_dict()  # the ranks' full weights (same seed)
+    weights = whole_model(CFG).state_dict()  # the ranks' full weights (same seed)
     with RolloutEngine(CFG) as eng:
         yield eng, weights, [s.response_ids for s in eng.generate(*PROBE).samples]
 

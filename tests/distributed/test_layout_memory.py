@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from splash_rollout.layout import Layout, RankBudget, footprints
+from splash_rollout.layout import Layout, RankBudget, footprints, other_weight_bytes_per_rank
 from splash_rollout.engine.engine import sizes_for
 from tests.distributed.layout_cases import MODELS, PAGE_SIZE, memory_report
 
@@ -24,6 +24,9 @@ def test_resident_bytes_equal_the_ownership_model(reports):
             assert rank["switchable"] == (sizes.w_a // 2 if Layout(name).shards_projections else sizes.w_a)
             assert rank["kv_pool"] == fp.pool_bytes_per_rank, name
             assert rank["pool_tokens"] == fp.pool_tokens_per_rank, name
+            # every weight the rank holds: the footprint CLI's prediction (feed-forward sharded, vocab replicated)
+            assert rank["weights"] == fp.weight_bytes_per_rank + other_weight_bytes_per_rank(
+                MODELS["glm5-nano"], 2, "fp32", "sharded", "replicated"), name
 
 
 def test_dop_pool_beats_dp_by_the_predicted_ratio_and_admits_more(reports):

@@ -7,7 +7,8 @@ import pytest
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.rollout.progress import RolloutProgress
-from splash_rollout.rollout.ranks import RequestRecord, build_engine
+from splash_rollout.rollout.build import build_engine
+from splash_rollout.rollout.ranks import RequestRecord
 
 PROMPTS = [[5, 6, 7] * 10, [9, 10] * 4, [11, 12] * 20]
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True)

@@ -283,6 +283,7 @@ def test_replicated_feed_forward_drops_dp_collectives_and_holds_every_expert():
     assert tp_rep.stages["mlp_comm"] > 0 and tp_rep.stages["mlp_comm"] != tp_sh.stages["mlp_comm"]  # all-gather
     one_rank = other_weight_bytes_per_rank(cfg, 1, "fp32")
     assert other_weight_bytes_per_rank(cfg, 2, "fp32", "replicated") > other_weight_bytes_per_rank(cfg, 2, "fp32")
-    assert other_weight_bytes_per_rank(cfg, 2, "fp32", "replicated") < one_rank  # embeddings still split
+    assert other_weight_bytes_per_rank(cfg, 2, "fp32", "replicated") == one_rank  # this engine: vocab replicated
+    assert other_weight_bytes_per_rank(cfg, 2, "fp32", "replicated", vocab="sharded") < one_rank  # embeddings split
     with pytest.raises(ValueError, match="feed_forward: expected one of"):
         sharded.replace(feed_forward="split")

@@ -69,7 +69,7 @@ class CountingPolicy(LayoutPolicy):
 
         from splash_rollout.models.config import resolve_model
         from splash_rollout.rollout.config import EngineConfig
-        from splash_rollout.rollout.ranks import make_policy
+        from splash_rollout.rollout.build import make_policy
 
         config_on_two = EngineConfig(model="glm5-nano", world_size=2, layout="auto", profile=PINNED_PROFILE)
         base = make_policy(config_on_two, resolve_model("glm5-nano"), 2, 2**28, torch.float32)

@@ -144,7 +144,7 @@ def test_the_policy_prices_with_the_corrected_theta():
 
     from splash_rollout.models.config import resolve_model
     from splash_rollout.rollout.config import EngineConfig
-    from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.rollout.build import make_policy
 
     pol = make_policy(EngineConfig(**AUTO_ON_TWO), resolve_model("glm5-nano"), 2,
                       2**28, torch.float32)
@@ -168,7 +168,7 @@ def test_steps_of_one_signature_share_thetas_price():
 
     from splash_rollout.models.config import resolve_model
     from splash_rollout.rollout.config import EngineConfig
-    from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.rollout.build import make_policy
     from splash_rollout.scheduling.pricing import REPRICE_STEPS
 
     pol = make_policy(EngineConfig(**AUTO_ON_TWO), resolve_model("glm5-nano"), 2,
@@ -196,7 +196,7 @@ def test_a_layout_never_run_is_explored_not_ruled_out_by_its_doubt():
 
     from splash_rollout.models.config import resolve_model
     from splash_rollout.rollout.config import EngineConfig
-    from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.rollout.build import make_policy
     from splash_rollout.scheduling.policy import DecisionRule
 
     def policy(spread, explore=8):
@@ -238,7 +238,7 @@ def test_a_measured_stay_ends_its_dwell_for_a_switch_that_pays_many_times_over()
 
     from splash_rollout.models.config import resolve_model
     from splash_rollout.rollout.config import EngineConfig
-    from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.rollout.build import make_policy
 
     def policy(correction=True):
         return make_policy(EngineConfig(**AUTO_ON_TWO, online_correction=correction),

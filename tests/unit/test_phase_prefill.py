@@ -299,7 +299,7 @@ def test_a_pool_that_holds_more_of_the_queue_decodes_the_same_rows_in_wider_step
 
     from splash_rollout.models.config import resolve_model
     from splash_rollout.rollout.config import EngineConfig
-    from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.rollout.build import make_policy
 
     policy = make_policy(EngineConfig(model="glm5-nano", world_size=2, layout="auto"), resolve_model("glm5-nano"),
                          2, 3 * 2**20, torch.float32)

@@ -111,7 +111,7 @@ def _capacity_policy():
     import torch
 
     from splash_rollout.rollout.config import EngineConfig
-    from splash_rollout.rollout.ranks import make_policy
+    from splash_rollout.rollout.build import make_policy
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.profile import load_profile
 

@@ -9,7 +9,7 @@ from splash_rollout.engine.layout_driver import DriverConfig
 from splash_rollout.layout import Layout
 from splash_rollout.models.config import resolve_model
 from splash_rollout.rollout.config import EngineConfig
-from splash_rollout.rollout.ranks import make_policy
+from splash_rollout.rollout.build import make_policy
 from splash_rollout.run import compose_config
 from splash_rollout.scheduling.policy import PolicyConfig
 
@@ -52,7 +52,7 @@ def test_a_bad_policy_names_the_field(bad, message):
 
 
 def test_engine_config_driver_reaches_the_engine_settings():
-    from splash_rollout.rollout.ranks import engine_settings
+    from splash_rollout.rollout.build import engine_settings
 
     model = resolve_model("glm5-nano")
     assert engine_settings(EngineConfig(layout="auto", world_size=2), model, 2).driver == DriverConfig()
