@@ -1,4 +1,4 @@
-"""Collective wrappers that count the bytes each rank sends and receives.
+"""Collective wrappers that count the bytes each rank sends and receives, on the device their group runs on.
 
 Every collective the engine and the switcher run goes through ``Comm`` so that a switch's measured
 traffic can be checked against its ``SwitchPlan`` byte for byte. Convention (payload bytes, the
@@ -9,6 +9,11 @@ Padding used to make gloo's uneven gathers even is never counted. all-reduce is 
 
 gloo on CPU refuses uneven list forms, so uneven gathers pad to the largest piece and use
 ``all_gather_into_tensor``; uneven exchanges use ``all_to_all_single`` with split sizes.
+
+Each ``Comm`` knows its group's device (the engine's for the compute and transfer groups, the CPU
+for the control group) and refuses, naming the collective, a tensor that lives elsewhere: host data
+(counts, digests, the sampled tokens) travels on the gloo control group, device tensors on NCCL.
+On NCCL a reduce-scatter is the native one; gloo has none, so there it is an all-reduce and a slice.
 
 With a ``channel`` (``distributed/shm_channel.py``: ranks on one host), the synchronous CPU
 collectives that fit its slots go through shared memory instead of the process group; the bytes
@@ -67,15 +72,35 @@ def _row_bytes(t: torch.Tensor) -> int:
     return n * t.element_size()
 
 
+class CollectiveDeviceError(RuntimeError):
+    """A collective was handed a tensor on another device than its group runs on (NCCL takes CUDA
+    tensors of the rank's own GPU, gloo CPU tensors): a bug that would otherwise hang or crash inside
+    the backend. The message names the collective, its tag, the group and both devices."""
+
+
 class Comm:
-    """One rank's collectives over one process group, with byte counting."""
+    """One rank's collectives over one process group, with byte counting. Every tensor handed to it
+    must live on ``device`` (checked on every call, on every rank count: a device comparison)."""
 
     def __init__(self, group: Any, rank: int, world_size: int, counter: ByteCounter | None = None,
-                 channel: Any = None):
+                 channel: Any = None, device: torch.device | str = "cpu", name: str = "compute"):
         self.group, self.rank, self.world_size = group, rank, world_size
         self.counter = counter if counter is not None else ByteCounter()
         self.channel = channel if world_size > 1 else None
         """A ``ShmChannel`` over the same ranks, or None (every collective through ``group``)."""
+        self.device = torch.device(device)
+        """Where every tensor of this group's collectives lives (the engine's device; the CPU for control)."""
+        self.name = name
+        """The group's role, for messages: ``compute``, ``transfer`` or ``control``."""
+        self.backend = dist.get_backend(group) if world_size > 1 and group is not None else "none"
+        """The process group's backend: ``nccl`` has a native reduce-scatter, gloo does not."""
+
+    def _check(self, tensor: torch.Tensor, op: str, tag: str) -> None:
+        """Refuse, by name, a tensor on another device than the group's."""
+        device = tensor.device
+        if device.type != self.device.type or (self.device.index is not None and device.index != self.device.index):
+            raise CollectiveDeviceError(f"{op} ({tag}) on the {self.name} group: rank {self.rank}'s tensor is on "
+                                        f"{device}, the group's collectives run on {self.device}")
 
     def _via_channel(self, tensor: torch.Tensor, row_bytes: int = 0) -> bool:
         """Whether this operation goes through shared memory (the same answer on every rank: it
@@ -85,6 +110,7 @@ class Comm:
     # ---- all-reduce -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, tag: str = "step") -> torch.Tensor:
         """Sum in place over the group. tensor: any shape; returns it."""
+        self._check(tensor, "all_reduce", tag)
         t = self.world_size
         if t > 1:
             if tensor.is_contiguous() and self._via_channel(tensor):
@@ -104,6 +130,7 @@ class Comm:
         rank). Returns [sum(sizes), *row] (or a Pending that yields it).
         """
         t, r = self.world_size, self.rank
+        self._check(local, "all_gather_uneven", tag)
         if len(sizes) != t or local.shape[0] != sizes[r]:
             raise ValueError(f"all_gather_uneven: rank {r} holds {local.shape[0]} rows, sizes say {list(sizes)}")
         row_shape, row_bytes = tuple(local.shape[1:]), _row_bytes(local)
@@ -133,6 +160,7 @@ class Comm:
         rank) -> [sizes[rank], *row], rows [sum(sizes[:rank]), ...) of the sum, added in rank order
         (the same bits ``all_reduce`` gives those rows)."""
         t, r = self.world_size, self.rank
+        self._check(full, "reduce_scatter_uneven", tag)
         if len(sizes) != t or full.shape[0] != sum(sizes):
             raise ValueError(f"reduce_scatter_uneven: rank {r} holds {full.shape[0]} rows, sizes say {list(sizes)}")
         lo = sum(sizes[:r])
@@ -143,7 +171,17 @@ class Comm:
         if self._via_channel(full, row_bytes):
             out = full.new_empty((sizes[r],) + row_shape)
             return self.channel.reduce_scatter_rows_(out, full, sizes)
-        summed = full.contiguous().clone()
+        if self.backend == "nccl":  # native: each rank's block padded to the largest, one reduce-scatter
+            most = max(sizes)
+            padded = full if len(set(sizes)) == 1 else full.new_zeros((t * most,) + row_shape)
+            if padded is not full:
+                starts = [sum(sizes[:q]) for q in range(t)]
+                for q in range(t):
+                    padded[q * most: q * most + sizes[q]] = full[starts[q]: starts[q] + sizes[q]]
+            out = full.new_empty((most,) + row_shape)
+            dist.reduce_scatter_tensor(out, padded.contiguous(), group=self.group)
+            return out[: sizes[r]]
+        summed = full.contiguous().clone()  # gloo has no reduce-scatter of tensors: all-reduce, keep ours
         dist.all_reduce(summed, group=self.group)
         return summed[lo: lo + sizes[r]]
 
@@ -156,6 +194,7 @@ class Comm:
         peers' send_splits). Ranks with zero rows still join. Returns [sum(recv_splits), *row].
         """
         t, r = self.world_size, self.rank
+        self._check(send, "all_to_all_uneven", tag)
         if len(send_splits) != t or len(recv_splits) != t or send.shape[0] != sum(send_splits):
             raise ValueError(f"all_to_all_uneven: rank {r} sends {send.shape[0]} rows with splits "
                              f"{list(send_splits)} / receives {list(recv_splits)} over {t} ranks")

@@ -89,8 +89,17 @@ def init_from_torchrun(backend: str | None = None, timeout_s: float = DEFAULT_TI
     if missing:
         raise RuntimeError(f"torchrun environment: missing {', '.join(missing)}; launch with torchrun")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    bind_local_gpu(backend)
     return init_process_groups(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
                                int(os.environ["MASTER_PORT"]), backend, timeout_s)
+
+
+def bind_local_gpu(backend: str) -> None:
+    """Under NCCL, make this process's GPU (``LOCAL_RANK``: torchrun's index of the rank on its host)
+    the current CUDA device before any collective, so NCCL and every kernel use it. Nothing to do on
+    gloo, or without ``LOCAL_RANK`` (the caller bound its device itself)."""
+    if backend == "nccl" and "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
 
 
 def initialized_world_size() -> int | None:
@@ -116,6 +125,7 @@ def groups_in_process(timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
     timeout = datetime.timedelta(seconds=timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
     backend = dist.get_backend()
+    bind_local_gpu(str(backend))
     ranks = list(range(world))
     compute = dist.new_group(ranks, backend=backend, timeout=timeout)
     transfer = dist.new_group(ranks, backend=backend, timeout=timeout)

@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         from splash_rollout.distributed.launch import WorkerContext
 
         torch.set_num_threads(args.threads)
+        if args.backend == "nccl":  # before the first NCCL call: each rank on its own GPU
+            torch.cuda.set_device(args.rank % torch.cuda.device_count())
         inject("rank_start", 1, args.rank, unit="stage")  # a reported failure
         ctx = WorkerContext(init_process_groups(args.rank, args.world_size, "127.0.0.1", args.port, args.backend,
                                                 args.timeout_s), interrupt=interrupt)

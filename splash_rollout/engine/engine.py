@@ -178,9 +178,13 @@ class Engine:
         self.config, self.groups, self.settings = config, groups, settings
         self.rank, self.world_size, self.page_size = rank, t, settings.page_size
         self.device = torch.device(settings.device)
-        self.comm = Comm(groups.compute, rank, t, channel=groups.compute_channel)
-        self.transfer = Comm(groups.transfer, rank, t, self.comm.counter)
-        self.control = Comm(groups.control, rank, t, self.comm.counter, channel=groups.control_channel)
+        self.comm = Comm(groups.compute, rank, t, channel=groups.compute_channel, device=self.device)
+        """The step's collectives (device tensors: NCCL on GPUs)."""
+        self.transfer = Comm(groups.transfer, rank, t, self.comm.counter, device=self.device, name="transfer")
+        """A live switch's weight and KV transfers (device tensors), apart from the step's."""
+        self.control = Comm(groups.control, rank, t, self.comm.counter, channel=groups.control_channel,
+                            name="control")
+        """Host data on gloo: the driver's control message, the sampled tokens, measures."""
         problem = placement_problem(settings.feed_forward, settings.return_routing, t)
         if problem:
             raise ValueError(problem)
@@ -478,7 +482,7 @@ class Engine:
         counts = [steps * c for c in torch.bincount(sample_rank, minlength=self.world_size).tolist()]
         mine = torch.cat([torch.tensor([[float(sample_rank.shape[0]), float(rows)]], dtype=torch.float64),
                           torch.stack([tokens.double(), logprobs.double()], dim=-1).reshape(-1, 2)])  # [1 + Ks, 2]
-        got = self.comm.all_gather_uneven(mine, [c + 1 for c in counts], tag="step/tokens")  # [T + KS, 2]
+        got = self.control.all_gather_uneven(mine, [c + 1 for c in counts], tag="step/tokens")  # [T + KS, 2], host
         starts = np.cumsum([0] + [c + 1 for c in counts])[:-1]
         for q, at in enumerate(starts.tolist()):
             if q != self.rank and not torch.equal(got[at], mine[0]):

@@ -93,7 +93,8 @@ class LocalHost:
 
     def __init__(self, groups: ProcessGroups) -> None:
         self.ctx = LocalContext(groups)
-        self.control = Comm(groups.control, groups.rank, groups.world_size, channel=groups.control_channel)
+        self.control = Comm(groups.control, groups.rank, groups.world_size, channel=groups.control_channel,
+                            name="control")
 
     @property
     def rank(self) -> int:
