@@ -16,8 +16,11 @@ from splash_rollout.engine.request import Request
 
 class BlockTable:
     def __init__(self, max_rows: int, device: torch.device, initial_pages: int = 64) -> None:
-        self.table = torch.full((max_rows, initial_pages), -1, dtype=torch.int64, device=device)
-        """[max_rows, max_pages] int64: physical page per (row, logical page), -1 where not here."""
+        self.table = torch.full((max_rows + 1, initial_pages), -1, dtype=torch.int64, device=device)
+        """[max_rows + 1, max_pages] int64: physical page per (row, logical page), -1 where not here; the
+        last row is never given to a request (``empty_row``)."""
+        self.empty_row = max_rows
+        """A row of -1 only: the table row of a padded request in a fixed-shape decode step."""
         self._row: dict[int, int] = {}
         """request_id -> its row."""
         self._synced: dict[int, int] = {}
@@ -28,9 +31,9 @@ class BlockTable:
     def num_rows_in_use(self) -> int:
         return len(self._row)
 
-    def rows(self, requests: list[Request], rank: int) -> torch.Tensor:
-        """The rows of ``requests`` ([B] int64 on the table's device), after writing the pages each
-        gained since the last step (one indexed write for the whole step)."""
+    def rows(self, requests: list[Request], rank: int, width: int = 0) -> list[int]:
+        """The rows of ``requests`` (host), after writing the pages each gained since the last step
+        (one indexed write for the whole step); the table is at least ``width`` pages wide after."""
         rows, r_idx, c_idx, values = [], [], [], []
         widest = 0
         for req in requests:
@@ -51,13 +54,17 @@ class BlockTable:
                 self._synced[rid] = len(pages)
             widest = max(widest, len(pages))
             rows.append(row)
-        if widest > self.table.shape[1]:
-            self._widen(widest)
+        if max(widest, width) > self.table.shape[1]:
+            self._widen(max(widest, width))
         if values:
             device = self.table.device
-            self.table[torch.tensor(r_idx, device=device), torch.tensor(c_idx, device=device)] = \
-                torch.tensor(values, dtype=torch.int64, device=device)
-        return torch.tensor(rows, dtype=torch.int64, device=self.table.device)
+            self.table[torch.tensor(r_idx).to(device), torch.tensor(c_idx).to(device)] = \
+                torch.tensor(values, dtype=torch.int64).to(device)
+        return rows
+
+    def slice(self, rows: list[int], pages: int) -> torch.Tensor:
+        """[len(rows), pages] int64 on the table's device: those rows' first ``pages`` logical pages."""
+        return self.table[torch.tensor(rows, dtype=torch.int64).to(self.table.device), :pages]
 
     def rewrite(self, requests: list[Request]) -> None:
         """After a switch re-placed these requests' pages: their rows are written again at the next ``rows``."""

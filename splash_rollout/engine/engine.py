@@ -129,6 +129,10 @@ class EngineSettings:
     decode_window: int = 8
     """DP-attention on T > 1 ranks: most steps the ranks decode between two exchanges of sampled tokens
     (a token window, engine/token_window.py, where nothing but a stop can change the batch); 1: every step."""
+    decode_buckets: tuple[int, ...] = ()
+    """Request counts a plain decode step is padded up to (with its key width padded to a power of two
+    of pages), so every step of a bucket runs the same shapes -- what CUDA graphs replay. Empty: no
+    padding (the CPU's default: padded rows would cost compute)."""
 
     @property
     def initial_pages(self) -> int:
@@ -366,7 +370,7 @@ class Engine:
         order = self._enter(*switch) if switch is not None else None
         scheduled = self._schedule()
         clock.lap("schedule")
-        batch = self._batch(scheduled)
+        batch = self._batch(scheduled, self.layout if order is None else order[0].dst, order is not None)
         clock.lap("batch")
         with self.hooks.forward(scheduled, batch):
             logits = self._forward(batch, order)
@@ -399,7 +403,7 @@ class Engine:
         if window.is_over:
             all_tokens, all_logprobs = self._gather_samples(sample_rank, *window.held(), batch.num_tokens)  # [K, S]
             ended = self._apply_samples(scheduled, all_tokens, all_logprobs)
-        step = _Step(int(sample_rank.shape[0]), ended)
+        step = _Step(len(sample_rank), ended)
         if order is not None:
             retire_source_pages(self.scheduler.placement, order[1])
         self.num_steps += 1
@@ -436,12 +440,12 @@ class Engine:
                           drafted=record["draft_tokens"] > 0)
 
     def _sample(self, scheduled: list[ScheduledSeq], batch: ForwardBatch,
-                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                logits: torch.Tensor) -> tuple[list[int], list[int], list[float]]:
         """The step's samples, in scheduled order: one per sampling chunk, one per follower forked off
         it (it samples from its leader's last prompt row with its own seed), one per verified row.
-        This rank draws those of the rows ``sampling_ranks`` gives it from ``logits`` [r, vocab].
-        Returns (sample_rank [S] int64: the rank drawing each sample, tokens [s] int64 and logprobs
-        [s] of this rank's, in order)."""
+        This rank draws those of the rows ``sampling_ranks`` gives it from ``logits`` [r, vocab] and
+        reads them back in one transfer (the step's one host sync). Returns, on the host,
+        (sample_rank [S]: the rank drawing each sample, tokens [s] and logprobs [s] of this rank's)."""
         specs, draws, rows = [], [], []
         row = 0
         for seq in scheduled:
@@ -456,56 +460,83 @@ class Engine:
                     draws.append(r.num_output_tokens)
                     rows.append(row)
             row += seq.num_sampled
-        row_rank = self.runner.executor.sampling_ranks(batch).cpu()  # [R]
-        sample_rank = row_rank[torch.tensor(rows, dtype=torch.int64)]  # [S]
-        here = (sample_rank == self.rank).nonzero().flatten().tolist()
-        local_row = torch.cumsum(row_rank == self.rank, 0) - 1  # [R]: a row's place among this rank's
-        if here:
-            picked = local_row[torch.tensor([rows[j] for j in here])].to(logits.device)
-            tokens, logprobs = sample(logits.index_select(0, picked),
-                                      SamplingBatch.make([specs[j] for j in here], [draws[j] for j in here],
-                                                         logits.device))
-            tokens, logprobs = tokens.cpu(), logprobs.cpu()
-        else:
-            tokens, logprobs = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
-        return sample_rank, tokens, logprobs
+        row_rank = self.runner.executor.sampling_ranks(batch)  # [R], host
+        local_row, mine = [], 0  # a sampled row's place among this rank's logits
+        for r in row_rank:
+            local_row.append(mine)
+            mine += r == self.rank
+        sample_rank = [row_rank[j] for j in rows]  # [S]
+        here = [j for j, r in enumerate(sample_rank) if r == self.rank]
+        if not here:
+            return sample_rank, [], []
+        picked = [local_row[rows[j]] for j in here]
+        if picked != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(picked, dtype=torch.int64).to(logits.device))
+        tokens, logprobs = sample(logits, SamplingBatch.make([specs[j] for j in here], [draws[j] for j in here],
+                                                             logits.device))
+        pairs = torch.stack([tokens.double(), logprobs.double()], dim=1).tolist()  # one read back: [s, 2]
+        return sample_rank, [int(t) for t, _ in pairs], [lp for _, lp in pairs]
 
-    def _gather_samples(self, sample_rank: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
-                        rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's sampled tokens and logprobs [K, S] in scheduled order, from this rank's
-        (tokens / logprobs [K, s]: the K steps of its window) and one all-gather. Each rank's piece
-        starts with what its replica scheduled (samples, query rows): replicas that disagree raise
-        here, naming both counts, before any token is applied."""
+    def _gather_samples(self, sample_rank: list[int], tokens: list[list[int]], logprobs: list[list[float]],
+                        rows: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Every rank's sampled tokens and logprobs [K][S] in scheduled order, from this rank's
+        (tokens / logprobs [K][s]: the K steps of its window) and one all-gather on the control group
+        (host data). Each rank's piece starts with what its replica scheduled (samples, query rows):
+        replicas that disagree raise here, naming both counts, before any token is applied."""
         if self.world_size == 1:
             return tokens, logprobs
-        steps = tokens.shape[0]
-        counts = [steps * c for c in torch.bincount(sample_rank, minlength=self.world_size).tolist()]
-        mine = torch.cat([torch.tensor([[float(sample_rank.shape[0]), float(rows)]], dtype=torch.float64),
-                          torch.stack([tokens.double(), logprobs.double()], dim=-1).reshape(-1, 2)])  # [1 + Ks, 2]
-        got = self.control.all_gather_uneven(mine, [c + 1 for c in counts], tag="step/tokens")  # [T + KS, 2], host
+        steps = len(tokens)
+        counts = [steps * sum(1 for r in sample_rank if r == q) for q in range(self.world_size)]
+        mine = np.empty((1 + sum(len(t) for t in tokens), 2), dtype=np.float64)  # [1 + Ks, 2]
+        mine[0] = (len(sample_rank), rows)
+        mine[1:, 0] = [t for step in tokens for t in step]
+        mine[1:, 1] = [lp for step in logprobs for lp in step]
+        got = self.control.all_gather_uneven(torch.from_numpy(mine), [c + 1 for c in counts],
+                                             tag="step/tokens").numpy()  # [T + KS, 2], host
         starts = np.cumsum([0] + [c + 1 for c in counts])[:-1]
         for q, at in enumerate(starts.tolist()):
-            if q != self.rank and not torch.equal(got[at], mine[0]):
+            if q != self.rank and not np.array_equal(got[at], mine[0]):
                 raise RuntimeError(f"rank {self.rank}: scheduler replica diverged from rank {q}'s in step "
                                    f"{self.num_steps}: it sampled {int(mine[0, 0])} tokens over {rows} rows, "
                                    f"rank {q} {int(got[at, 0])} over {int(got[at, 1])}")
-        body = torch.cat([got[at + 1: at + 1 + c].reshape(steps, -1, 2)
-                          for at, c in zip(starts.tolist(), counts)], dim=1)  # [K, S, 2] rank order
-        pairs = torch.empty_like(body)
-        pairs[:, torch.argsort(sample_rank, stable=True)] = body  # scheduled order
-        return pairs[..., 0].long(), pairs[..., 1].to(logprobs.dtype)
+        body = np.concatenate([got[at + 1: at + 1 + c].reshape(steps, -1, 2)
+                               for at, c in zip(starts.tolist(), counts)], axis=1)  # [K, S, 2] rank order
+        pairs = np.empty_like(body)
+        pairs[:, np.argsort(np.asarray(sample_rank), kind="stable")] = body  # scheduled order
+        return pairs[..., 0].astype(np.int64).tolist(), pairs[..., 1].tolist()
 
-    def _batch(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
-        """This rank's ForwardBatch: O(B) Python plus tensor ops on the device."""
+    def _batch(self, scheduled: list[ScheduledSeq], layout: Layout, switching: bool) -> ForwardBatch:
+        """This rank's ForwardBatch in ``layout`` (the step's: a switch's destination): O(B) Python plus
+        tensor ops on the device; a plain decode step padded to its bucket where buckets are on."""
         reqs = [s.request for s in scheduled]
-        rows = self.block_table.rows(reqs, self.rank)
         widest = max(-(-(s.start + s.num_new) // self.page_size) for s in scheduled)
+        view = RankView(layout, self.rank, self.world_size, self.config.num_heads)
+        whole = [view.holds_whole(-(-(s.start + s.num_new) // self.page_size), r.owner) for s, r in zip(scheduled, reqs)]
         ids: list[int] = []
         for s in scheduled:
             ids += s.tokens()
-        return ForwardBatch.from_rows(ids, [s.start for s in scheduled], [s.num_new for s in scheduled],
-                                      [s.num_sampled for s in scheduled], [r.owner for r in reqs],
-                                      self.block_table.table[rows, :widest], self.page_size)
+        starts, owners = [s.start for s in scheduled], [r.owner for r in reqs]
+        bucket = None if switching else self._decode_bucket(scheduled, widest)
+        if bucket is None:
+            table = self.block_table.slice(self.block_table.rows(reqs, self.rank), widest)
+            return ForwardBatch.from_rows(ids, starts, [s.num_new for s in scheduled], [s.num_sampled for s in scheduled],
+                                          owners, table, self.page_size, whole)
+        size, pages = bucket
+        rows = self.block_table.rows(reqs, self.rank, pages) + [self.block_table.empty_row] * (size - len(reqs))
+        return ForwardBatch.padded_decode(ids, starts, owners, self.block_table.slice(rows, pages), self.page_size,
+                                          size, whole)
+
+    def _decode_bucket(self, scheduled: list[ScheduledSeq], widest_pages: int) -> tuple[int, int] | None:
+        """(requests, pages) a plain decode step pads to -- the smallest bucket that holds it and a power
+        of two of pages --, or None: no buckets, not a plain decode (a prefill chunk, drafts, forks), a
+        layout whose shapes follow the owners, or more requests than the largest bucket."""
+        buckets = self.settings.decode_buckets
+        if not buckets or not self.runner.executor.fixed_shapes:
+            return None
+        if any(s.num_new != 1 or s.num_sampled != 1 or s.draft or s.forks for s in scheduled):
+            return None
+        size = next((b for b in buckets if b >= len(scheduled)), None)
+        return None if size is None else (size, 1 << (max(widest_pages, 1) - 1).bit_length())
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch, order) -> torch.Tensor:
@@ -543,11 +574,11 @@ class Engine:
         pool_pages = by_layout[dst] if by_layout else None
         return SwitchOrder(result.src, dst, result.moves, blocking, pool_pages), result
 
-    def _apply_samples(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor,
-                       logprobs: torch.Tensor) -> list[Request]:
-        """Every rank's tokens / logprobs [K, S] into the replica -- one step's, or a token window's K
+    def _apply_samples(self, scheduled: list[ScheduledSeq], tokens: list[list[int]],
+                       logprobs: list[list[float]]) -> list[Request]:
+        """Every rank's tokens / logprobs [K][S] into the replica -- one step's, or a token window's K
         settled at its close -- and the ended requests' block-table rows released."""
-        ended = (self.scheduler.postprocess(scheduled, tokens[0], logprobs[0]) if tokens.shape[0] == 1
+        ended = (self.scheduler.postprocess(scheduled, tokens[0], logprobs[0]) if len(tokens) == 1
                  else self.scheduler.settle(scheduled, tokens, logprobs))
         for r in ended:
             self.block_table.release(r.request_id)

@@ -7,6 +7,14 @@ it). Nothing here is per-position Python: the slots every row writes and every k
 are computed from the block table with a few tensor ops on the batch's device, so building a batch
 costs O(B) Python whatever the history lengths.
 
+Nothing here reads the device back either: every size the host needs (rows per request, history
+lengths, the sampled rows, the width of the key axis) is known to the scheduler and kept beside the
+tensors as Python lists (``seq_lens_host``, ``sample_rows_host``, ``max_seq_len``), and row indices
+are made on the host and sent, never found on the device (no ``nonzero`` or boolean masks). A decode
+step can also be *padded* to a bucket of requests and a fixed key width (``padded_decode``), so
+steps of different batch sizes in one bucket run the same ops on the same shapes -- what a CUDA graph
+replays.
+
 Per-step state shared by the layers (the DSA selection that ``shared`` layers reuse, the key slots
 of every request) lives in ``scratch``; the batch is made current with ``forward_context`` -- a
 context manager that refuses nesting -- rather than in module globals.
@@ -17,6 +25,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 
@@ -72,6 +81,19 @@ class ForwardBatch:
     owners: list[int]
     """[B] owner rank per request (DP-attention / DOP), host copy."""
     page_size: int
+    seq_lens_host: list[int]
+    """[B] ``seq_lens`` on the host."""
+    sample_rows_host: list[int]
+    """[R] ``sample_rows`` on the host."""
+    sample_seqs_host: list[int]
+    """[R] the request (index into B) of each sampled row, on the host."""
+    max_seq_len: int
+    """Width S of every [.., S] key axis: the longest history of the step, or a padded step's fixed
+    width (a multiple of the page size)."""
+    whole_here: list[bool] | None = None
+    """[B] whether this rank stores every position of the request's history (None: not known)."""
+    num_real: int | None = None
+    """Requests that are real in a padded decode step; the rest are padding (None: every request)."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Per-step state shared between layers (e.g. the last DSA selection)."""
 
@@ -99,11 +121,14 @@ class ForwardBatch:
         return self.scratch["query_start"]
 
     @property
-    def max_seq_len(self) -> int:
-        """Longest history of the step: the width of every [.., S] key axis (host)."""
-        if "max_seq_len" not in self.scratch:
-            self.scratch["max_seq_len"] = int(self.seq_lens.max()) if self.num_seqs else 0
-        return self.scratch["max_seq_len"]
+    def real_seqs(self) -> int:
+        """Requests that are not padding."""
+        return self.num_seqs if self.num_real is None else self.num_real
+
+    @property
+    def decode_only(self) -> bool:
+        """Every request runs one query row (a decode step; row b is request b)."""
+        return all(k == 1 for k in self.num_new)
 
     # ---- derived tensors (cached per step: every layer reads the same) ---------------------------
     def key_stored(self) -> torch.Tensor:
@@ -137,8 +162,11 @@ class ForwardBatch:
         """The step's requests padded to a common query and key length, in chunks: decode requests
         (one row) and prefill chunks form separate groups, each sorted by history length and cut so
         that keys x ``per_key`` elements (per query row and key) stay within ``budget``."""
-        lengths = self.seq_lens.tolist()
+        lengths = self.seq_lens_host
         starts = self.query_start
+        if self.num_real is not None:  # a padded decode step: one chunk, fixed shapes
+            yield PaddedChunk.make(self, list(range(self.num_seqs)), starts[:-1], 1, self.max_seq_len)
+            return
         decode = [b for b, k in enumerate(self.num_new) if k == 1]
         prefill = [b for b, k in enumerate(self.num_new) if k > 1]
         for group in (decode, prefill):
@@ -163,18 +191,15 @@ class ForwardBatch:
             for b in range(self.num_seqs):
                 here = stored[b]
                 key_pos = torch.nonzero(here).flatten()
-                out.append(SeqInfo(starts[b], self.num_new[b], int(self.seq_lens[b]), slots[b][here], key_pos,
+                out.append(SeqInfo(starts[b], self.num_new[b], self.seq_lens_host[b], slots[b][here], key_pos,
                                    self.owners[b]))
             self.scratch["seqs"] = out
         return self.scratch["seqs"]
 
-    @property
-    def row_owners(self) -> torch.Tensor:
-        """[N] int64: the owner rank of every row."""
-        if "row_owners" not in self.scratch:
-            owners = torch.tensor(self.owners, dtype=torch.int64, device=self.device)
-            self.scratch["row_owners"] = owners.index_select(0, self.row_seq) if self.num_seqs else owners
-        return self.scratch["row_owners"]
+    def rows_of(self, seqs: Sequence[int]) -> list[int]:
+        """The rows of requests ``seqs`` (host), in the order given."""
+        starts = self.query_start
+        return [row for b in seqs for row in range(starts[b], starts[b + 1])]
 
     def owned_by(self, rank: int) -> tuple["ForwardBatch", torch.Tensor]:
         """The sub-batch of the requests ``rank`` owns (rows re-based) and their rows here: [n] int64.
@@ -188,16 +213,19 @@ class ForwardBatch:
         one sub-batch."""
         key = ("subset", tuple(seqs))
         if key not in self.scratch:
-            seq_idx = torch.tensor(key[1], dtype=torch.int64, device=self.device)
-            chosen = torch.zeros(self.num_seqs, dtype=torch.bool, device=self.device)
-            chosen[seq_idx] = True
-            rows = torch.nonzero(chosen.index_select(0, self.row_seq)).flatten()
-            new_seq = torch.full((self.num_seqs,), -1, dtype=torch.int64, device=self.device)
-            new_seq[seq_idx] = torch.arange(len(key[1]), device=self.device)
+            chosen = list(key[1])
+            host_rows = self.rows_of(chosen)
+            new_seq = [j for j, b in enumerate(chosen) for _ in range(self.num_new[b])]
+            index = torch.tensor(chosen, dtype=torch.int64).to(self.device)
+            rows = torch.tensor(host_rows, dtype=torch.int64).to(self.device)
+            lens = [self.seq_lens_host[b] for b in chosen]
             sub = ForwardBatch(self.input_ids[rows], self.positions[rows], self.out_slots[rows],
-                               self.block_table[seq_idx], self.seq_lens[seq_idx], new_seq[self.row_seq[rows]],
+                               self.block_table[index], self.seq_lens[index],
+                               torch.tensor(new_seq, dtype=torch.int64).to(self.device),
                                torch.empty(0, dtype=torch.int64, device=self.device),
-                               [self.num_new[b] for b in key[1]], [self.owners[b] for b in key[1]], self.page_size)
+                               [self.num_new[b] for b in chosen], [self.owners[b] for b in chosen], self.page_size,
+                               lens, [], [], max(lens, default=0),
+                               None if self.whole_here is None else [self.whole_here[b] for b in chosen])
             self.scratch[key] = (sub, rows)
         return self.scratch[key]
 
@@ -205,31 +233,68 @@ class ForwardBatch:
     @classmethod
     def from_rows(cls, input_ids: Sequence[int], starts: Sequence[int], num_new: Sequence[int],
                   samples: Sequence[bool], owners: Sequence[int], block_table: torch.Tensor,
-                  page_size: int) -> "ForwardBatch":
+                  page_size: int, whole_here: Sequence[bool] | None = None) -> "ForwardBatch":
         """input_ids: [N] the step's new tokens; starts / num_new / samples / owners: [B] per request
         (first new position, rows, how many of its last rows sample -- 0 or 1, or 1 + k for a
         drafted decode; a bool is 0 / 1 --, owner); block_table: [B, P] int64 on the engine's device,
-        this rank's pages. Rows and slots are made with tensor ops."""
-        device = block_table.device
-        b = len(num_new)
-        counts = torch.tensor(num_new, dtype=torch.int64, device=device)
-        start_t = torch.tensor(starts, dtype=torch.int64, device=device)
-        row_seq = torch.repeat_interleave(torch.arange(b, device=device), counts)
-        first_row = torch.cumsum(counts, 0) - counts  # [B]
-        n = int(counts.sum()) if b else 0
-        positions = start_t.index_select(0, row_seq) + torch.arange(n, device=device) - first_row.index_select(0, row_seq)
-        if n:
-            page = block_table[row_seq, positions // page_size]
-            out_slots = torch.where(page >= 0, page * page_size + positions % page_size, torch.full_like(page, -1))
-        else:
-            out_slots = positions
-        sampled = torch.tensor([int(s) for s in samples], dtype=torch.int64, device=device)  # [B]
+        this rank's pages. Rows, positions and sampled rows are made on the host and sent in one copy;
+        the slots each row writes come from the block table on the device."""
+        counts = np.asarray(num_new, dtype=np.int64).reshape(-1)
+        first = np.asarray(starts, dtype=np.int64).reshape(-1)
+        sampled = np.asarray([int(x) for x in samples], dtype=np.int64).reshape(-1)
+        b, n = len(counts), int(counts.sum())
+        row_seq = np.repeat(np.arange(b, dtype=np.int64), counts)  # [N]
+        first_row = np.cumsum(counts) - counts  # [B]
+        positions = first[row_seq] + np.arange(n, dtype=np.int64) - first_row[row_seq]  # [N]
         first_sampled = first_row + counts - sampled  # [B] each request's first sampled row
-        rank_in_request = torch.arange(int(sampled.sum()), device=device) - torch.repeat_interleave(
-            torch.cumsum(sampled, 0) - sampled, sampled)  # [R] 0, 1, ... within each request
-        sample_rows = torch.repeat_interleave(first_sampled, sampled) + rank_in_request  # [R]
-        return cls(torch.tensor(list(input_ids), dtype=torch.int64, device=device), positions, out_slots,
-                   block_table, start_t + counts, row_seq, sample_rows, list(num_new), list(owners), page_size)
+        sample_rows = (np.repeat(first_sampled, sampled)
+                       + np.arange(int(sampled.sum()), dtype=np.int64)
+                       - np.repeat(np.cumsum(sampled) - sampled, sampled))  # [R]
+        seq_lens = first + counts  # [B]
+        return cls._assemble(np.asarray(input_ids, dtype=np.int64).reshape(-1), positions, row_seq, seq_lens,
+                             sample_rows, list(num_new), list(owners), block_table, page_size,
+                             int(seq_lens.max()) if b else 0, None if whole_here is None else list(whole_here))
+
+    @classmethod
+    def padded_decode(cls, input_ids: Sequence[int], starts: Sequence[int], owners: Sequence[int],
+                      block_table: torch.Tensor, page_size: int, bucket: int,
+                      whole_here: Sequence[bool] | None = None) -> "ForwardBatch":
+        """A decode step (one row per request, each sampling) padded to ``bucket`` requests and to the
+        key width of ``block_table`` ([bucket, P]: the real requests' rows, then rows of -1): every
+        step of a bucket has the same shapes. A padded request is token 0 at position 0 with no
+        history here; its KV goes to the pool's scratch slot and its rows' results are never read."""
+        real = len(input_ids)
+        if real > bucket or block_table.shape[0] != bucket:
+            raise ValueError(f"padded_decode: {real} requests, a bucket of {bucket}, a block table of "
+                             f"{block_table.shape[0]} rows")
+        pad = bucket - real
+        positions = np.asarray(list(starts) + [0] * pad, dtype=np.int64)
+        seq_lens = np.asarray([s + 1 for s in starts] + [0] * pad, dtype=np.int64)
+        rows = np.arange(bucket, dtype=np.int64)
+        ids = np.asarray(list(input_ids) + [0] * pad, dtype=np.int64)
+        batch = cls._assemble(ids, positions, rows, seq_lens, rows[:real], [1] * bucket, list(owners) + [0] * pad,
+                              block_table, page_size, block_table.shape[1] * page_size,
+                              None if whole_here is None else list(whole_here) + [True] * pad)
+        batch.num_real = real
+        return batch
+
+    @classmethod
+    def _assemble(cls, input_ids: np.ndarray, positions: np.ndarray, row_seq: np.ndarray, seq_lens: np.ndarray,
+                  sample_rows: np.ndarray, num_new: list[int], owners: list[int], block_table: torch.Tensor,
+                  page_size: int, width: int, whole_here: list[bool] | None) -> "ForwardBatch":
+        """The batch's index tensors in one host-to-device copy (views of one int64 buffer)."""
+        device = block_table.device
+        n, b, r = len(input_ids), len(seq_lens), len(sample_rows)
+        packed = torch.from_numpy(np.concatenate([input_ids, positions, row_seq, seq_lens, sample_rows]))
+        packed = packed.to(device, non_blocking=True)
+        ids_t, pos_t, row_seq_t, lens_t, sample_t = packed.split([n, n, n, b, r])
+        if n:
+            page = block_table[row_seq_t, pos_t // page_size]  # [N]
+            out_slots = torch.where(page >= 0, page * page_size + pos_t % page_size, torch.full_like(page, -1))
+        else:
+            out_slots = pos_t
+        return cls(ids_t, pos_t, out_slots, block_table, lens_t, row_seq_t, sample_t, num_new, owners, page_size,
+                   seq_lens.tolist(), sample_rows.tolist(), row_seq[sample_rows].tolist(), width, whole_here)
 
     @classmethod
     def build(cls, items: Sequence[tuple], page_size: int, device: str | torch.device = "cpu") -> "ForwardBatch":
@@ -265,6 +330,11 @@ class PaddedChunk:
     """[C, P] int64: the physical page of every logical page (0 where not stored here), P*page >= S."""
     key_stored: torch.Tensor
     """[C, S] bool: position stored on this rank and inside the request."""
+    rows: torch.Tensor
+    """[n] int64: the real rows, in the order ``valid`` picks them out of a [C * Q, ...] result."""
+    valid: torch.Tensor
+    """[n] int64: the real rows' places in the flattened [C * Q] query axis (made on the host: no
+    boolean mask on the device)."""
 
     def gather(self, cache: torch.Tensor, zero_hidden: bool = True) -> torch.Tensor:
         """Every history position's row of one layer's paged cache ``(num_pages, page_size, W)``,
@@ -277,10 +347,9 @@ class PaddedChunk:
             rows = rows.masked_fill(~self.key_stored[..., None], 0)
         return rows
 
-    @property
-    def rows(self) -> torch.Tensor:
-        """[n] int64: the real rows, in the order ``tensor[q_valid]`` flattens them."""
-        return self.q_rows[self.q_valid]
+    def real(self, padded: torch.Tensor) -> torch.Tensor:
+        """A [C, Q, ...] result's real rows: [n, ...], in ``rows`` order."""
+        return padded.flatten(0, 1).index_select(0, self.valid)
 
     def visible(self, positions: torch.Tensor) -> torch.Tensor:
         """Bool [C, Q, S]: causal and stored keys of real rows (positions: the batch's [N])."""
@@ -292,15 +361,17 @@ class PaddedChunk:
     @classmethod
     def make(cls, batch: ForwardBatch, seqs: list[int], first_rows: list[int], q_len: int, keys: int) -> "PaddedChunk":
         device = batch.device
-        idx = torch.tensor(seqs, dtype=torch.int64, device=device)
-        first = torch.tensor(first_rows, dtype=torch.int64, device=device)
-        counts = torch.tensor([batch.num_new[b] for b in seqs], dtype=torch.int64, device=device)
-        j = torch.arange(q_len, device=device)
-        valid = j[None, :] < counts[:, None]
-        rows = torch.where(valid, first[:, None] + j[None, :], torch.zeros_like(first)[:, None])
+        counts = [batch.num_new[b] for b in seqs]
+        rows = [[first + j if j < k else 0 for j in range(q_len)] for first, k in zip(first_rows, counts)]
+        valid = [[j < k for j in range(q_len)] for k in counts]
+        real_rows = [first + j for first, k in zip(first_rows, counts) for j in range(k)]
+        places = [c * q_len + j for c, k in enumerate(counts) for j in range(k)]
+        idx = torch.tensor(seqs, dtype=torch.int64).to(device)
         stored = batch.key_stored()
         pages = batch.block_table[idx, : -(-keys // batch.page_size)].clamp(min=0)
-        return cls(idx, rows, valid, pages, stored[idx, :keys])
+        return cls(idx, torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(valid).to(device), pages,
+                   stored[idx, :keys], torch.tensor(real_rows, dtype=torch.int64).to(device),
+                   torch.tensor(places, dtype=torch.int64).to(device))
 
 
 _current: list[ForwardBatch] = []

@@ -1,10 +1,15 @@
 """KVPool: the paged latent-KV memory of one rank.
 
-Per layer the pool holds ``kv: (num_pages, page_size, kv_lora_rank + qk_rope_head_dim)`` in the
+Per layer the pool holds ``kv: (num_pages + 1, page_size, kv_lora_rank + qk_rope_head_dim)`` in the
 model dtype -- the MLA cache has no head axis -- and, for DSA layers that run their own indexer,
-``index_k: (num_pages, page_size, index_head_dim)``. Tokens are addressed by *slot*
+``index_k: (num_pages + 1, page_size, index_head_dim)``. Tokens are addressed by *slot*
 ``page * page_size + offset``; page ids come from ``PageManager``. The pool never decides who owns
 a page, it only reads and writes slots.
+
+The extra last page is scratch: a row whose KV this rank does not store (slot -1: another rank's
+page, or a padded row of a fixed-shape decode step) writes there, so a write never has to find out
+on the host which rows to skip (no host sync, fixed shapes). No block table points at it, so it is
+never read; it is not counted in ``nbytes`` (``scratch_bytes`` says what it costs).
 """
 from __future__ import annotations
 
@@ -55,13 +60,17 @@ class KVPool:
         self.page_size = page_size
         self.dtype = dtype
         self.kv: list[torch.Tensor] = [
-            torch.zeros(num_pages, page_size, spec.kv_dim, dtype=dtype, device=device)
+            torch.zeros(num_pages + 1, page_size, spec.kv_dim, dtype=dtype, device=device)
             for _ in range(spec.num_layers)]
-        """Per layer ``(num_pages, page_size, kv_lora_rank + qk_rope_head_dim)``: c_kv | k_pe."""
+        """Per layer ``(num_pages + 1, page_size, kv_lora_rank + qk_rope_head_dim)``: c_kv | k_pe (the last
+        page is scratch)."""
         self.index_k: list[torch.Tensor | None] = [
-            torch.zeros(num_pages, page_size, d, dtype=dtype, device=device) if d else None
+            torch.zeros(num_pages + 1, page_size, d, dtype=dtype, device=device) if d else None
             for d in spec.index_head_dims]
-        """Per layer ``(num_pages, page_size, index_head_dim)`` or None (no indexer cache)."""
+        """Per layer ``(num_pages + 1, page_size, index_head_dim)`` or None (no indexer cache)."""
+        self.generation = 0
+        """Bumped whenever a layer's tensors are replaced (resize, release, restore): what a captured
+        CUDA graph, which holds their addresses, checks before it replays."""
         self._released_shapes: tuple[list, list] | None = None
         """While released (asleep): the shapes ``restore`` gives back."""
 
@@ -71,8 +80,27 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv) + sum(
-            t.numel() * t.element_size() for t in self.index_k if t is not None)
+        """Bytes of the pages that hold tokens (the scratch page apart)."""
+        return self._bytes() - self.scratch_bytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the scratch page of every layer."""
+        return sum(t.numel() // max(t.shape[0], 1) * t.element_size() for t in self._tensors() if t.shape[0])
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return self.kv + [t for t in self.index_k if t is not None]
+
+    def _bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def layer_pages(self, layer: int) -> int:
+        """Pages layer ``layer`` holds now (a live switch resizes one layer at a time)."""
+        return self.kv[layer].shape[0] - 1
+
+    def scratch_slot(self, layer: int) -> int:
+        """The first slot of layer ``layer``'s scratch page."""
+        return self.layer_pages(layer) * self.page_size
 
     def resize_layer(self, layer: int, num_pages: int) -> None:
         """Give layer ``layer`` exactly ``num_pages`` pages, keeping pages [0, min(old, new)).
@@ -80,15 +108,16 @@ class KVPool:
         A live switch resizes one layer at a time (memory follows the layout: replicated weights take
         KV pages, sharded ones give them back), so the transient is one layer's tensors."""
         def resized(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros((num_pages,) + tuple(t.shape[1:]))
-            keep = min(num_pages, t.shape[0])
+            out = t.new_zeros((num_pages + 1,) + tuple(t.shape[1:]))
+            keep = min(num_pages, t.shape[0] - 1)
             out[:keep] = t[:keep]
             return out
 
         self.kv[layer] = resized(self.kv[layer])
         if self.index_k[layer] is not None:
             self.index_k[layer] = resized(self.index_k[layer])
-        if all(t.shape[0] == num_pages for t in self.kv):
+        self.generation += 1
+        if all(t.shape[0] == num_pages + 1 for t in self.kv):
             self.num_pages = num_pages
 
     # ---- sleep ---------------------------------------------------------------------------------
@@ -105,6 +134,7 @@ class KVPool:
                                  [None if t is None else tuple(t.shape) for t in self.index_k])
         self.kv = [t.new_empty((0,) + tuple(t.shape[1:])) for t in self.kv]
         self.index_k = [None if t is None else t.new_empty((0,) + tuple(t.shape[1:])) for t in self.index_k]
+        self.generation += 1
 
     def restore(self) -> None:
         """Allocate the released tensors again (zeroed, the shapes they had)."""
@@ -114,35 +144,33 @@ class KVPool:
         self.kv = [t.new_zeros(shape) for t, shape in zip(self.kv, kv_shapes)]
         self.index_k = [None if shape is None else t.new_zeros(shape) for t, shape in zip(self.index_k, index_shapes)]
         self._released_shapes = None
+        self.generation += 1
 
     def fill_(self, value: float) -> None:
         """Overwrite every slot (tests fill with NaN so any read of an unwritten slot shows)."""
-        for t in self.kv:
+        for t in self._tensors():
             t.fill_(value)
-        for t in self.index_k:
-            if t is not None:
-                t.fill_(value)
 
     # ---- writes ----------------------------------------------------------------------------
+    def _here(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """slots with -1 (not stored here) sent to the layer's scratch slot: [N] int64."""
+        return torch.where(slots >= 0, slots, torch.full_like(slots, self.scratch_slot(layer)))
+
     def write_kv(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """slots: [N] int64 (-1: stored on another rank, skipped); c_kv: [N, kv_lora_rank]; k_pe: [N, rope]."""
-        if bool((slots < 0).any()):
-            here = slots >= 0
-            slots, c_kv, k_pe = slots[here], c_kv[here], k_pe[here]
+        """slots: [N] int64 (-1: stored on another rank: written to scratch); c_kv: [N, kv_lora_rank];
+        k_pe: [N, rope]."""
         flat = self.kv[layer].view(-1, self.spec.kv_dim)
+        slots = self._here(layer, slots)
         r = self.spec.kv_lora_rank
         flat[slots, :r] = c_kv.to(self.dtype)
         flat[slots, r:] = k_pe.to(self.dtype)
 
     def write_index_k(self, layer: int, slots: torch.Tensor, index_k: torch.Tensor) -> None:
-        """slots: [N] int64 (-1: stored on another rank, skipped); index_k: [N, index_head_dim]."""
+        """slots: [N] int64 (-1: stored on another rank: written to scratch); index_k: [N, index_head_dim]."""
         cache = self.index_k[layer]
         if cache is None:
             raise RuntimeError(f"layer {layer} caches no indexer keys")
-        if bool((slots < 0).any()):
-            here = slots >= 0
-            slots, index_k = slots[here], index_k[here]
-        cache.view(-1, cache.shape[-1])[slots] = index_k.to(self.dtype)
+        cache.view(-1, cache.shape[-1])[self._here(layer, slots)] = index_k.to(self.dtype)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages ``src[i]`` -> ``dst[i]`` in every layer (copy-on-write of a shared page)."""

@@ -22,6 +22,12 @@ class ModelRunner:
         """→ logits [r, vocab] of the sampled rows this rank samples (``executor.sampling_ranks``),
         in sample order.
         ``before_layer(i)``: called before layer i runs (a live switch installs layer i's state)."""
+        return self.logits(self.hidden(batch, before_layer), batch)
+
+    @torch.inference_mode()
+    def hidden(self, batch: ForwardBatch, before_layer=None) -> torch.Tensor:
+        """The decoder over the batch: the last layer's output [n, hidden] on the rows this rank carries
+        (before the final norm). The part of a decode step a CUDA graph replays."""
         decoder, executor = self.model.model, self.executor
         with forward_context(batch):
             rows = executor.local_rows(batch)
@@ -31,4 +37,9 @@ class ModelRunner:
                     before_layer(i)
                 h = h + executor.forward(layer.self_attn, layer.input_layernorm(h), batch)
                 h = h + executor.feed_forward(layer.mlp, layer.post_attention_layernorm(h), batch)
-            return executor.sample_logits(h, batch, self.model.compute_logits)  # [r, vocab]
+            return h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """hidden [n, hidden] (``hidden``) → logits [r, vocab] of the rows this rank samples."""
+        return self.executor.sample_logits(h, batch, self.model.compute_logits)

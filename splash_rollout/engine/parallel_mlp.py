@@ -78,9 +78,12 @@ class ExpertShard(nn.Module):
             parts += self.shared.full_parts(f"{prefix}.shared_experts")
         return parts
 
+    expert_stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """This rank's experts' weights as stacks their parameters view (``stack_experts``), or None."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> partial [N, hidden]
         idx, weight = self.gate(x)  # [N, k], [N, k]
-        out = run_experts(x, idx, weight, self.experts, self.first_expert)
+        out = run_experts(x, idx, weight, self.experts, self.first_expert, self.expert_stacks)
         if self.shared is not None:
             out = out + self.shared(x)
         return out  # partial: x's dtype, or float64 under reproducible numerics

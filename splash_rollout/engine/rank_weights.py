@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splash_rollout.engine.parallel_mlp import ParallelFeedForward, shard_feed_forward
+from splash_rollout.engine.parallel_mlp import ExpertShard, ParallelFeedForward, shard_feed_forward
 from splash_rollout.engine.projections import ProjectionShard, drop_full_projections, slice_projections
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.moe import MoE, stack_experts
 from splash_rollout.models.weights import Target, WeightSource, full_shapes_of, load_into
 
 
@@ -61,6 +62,16 @@ def place(model: nn.Module, share: RankShare, comm) -> list[ProjectionShard]:
         for layer in layers:
             drop_full_projections(layer.self_attn)
     return shards
+
+
+def stack_rank_experts(model: nn.Module, device: torch.device) -> None:
+    """Every MoE block's routed experts of this rank laid out as stacks their parameters view
+    (``models.moe.stack_experts``: on a meta model, allocated on ``device`` and filled later by the
+    loader), so a fused kernel reads them without a copy."""
+    for layer in model.model.layers:
+        holder = layer.mlp.shard if isinstance(layer.mlp, ParallelFeedForward) else layer.mlp
+        if isinstance(holder, (MoE, ExpertShard)) and len(holder.experts):
+            holder.expert_stacks = stack_experts(holder.experts, device)
 
 
 def materialize_rank(model: nn.Module, shards: list[ProjectionShard], device: torch.device) -> list[ProjectionShard]:
@@ -123,7 +134,9 @@ def adopt(model: nn.Module, share: RankShare, device: torch.device, comm) -> Ran
     other ranks' parts are dropped; T = 1 keeps it whole)."""
     full_shapes = full_shapes_of(model)
     model.to(device)
-    return RankWeights(model, place(model, share, comm), full_shapes)
+    shards = place(model, share, comm)
+    stack_rank_experts(model, device)
+    return RankWeights(model, shards, full_shapes)
 
 
 def load(config: ModelConfig, source: WeightSource, share: RankShare, dtype: torch.dtype, device: torch.device,
@@ -135,7 +148,9 @@ def load(config: ModelConfig, source: WeightSource, share: RankShare, dtype: tor
 
     model = MLAForCausalLM.skeleton(config, dtype)
     full_shapes = full_shapes_of(model)
-    shards = materialize_rank(model, place(model, share, comm), device)
+    placed = place(model, share, comm)
+    stack_rank_experts(model, device)
+    shards = materialize_rank(model, placed, device)
     load_into(source, rank_targets(model, shards), {n: s for n, (s, _) in full_shapes.items()},
               config.tie_word_embeddings)
     return RankWeights(model, shards, full_shapes)

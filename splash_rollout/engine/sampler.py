@@ -162,9 +162,7 @@ def sample_torch(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Ten
     logits = logits.float()
     scaled = (logits / params.temperature[:, None]).to(acc_dtype())  # [R, V]; float64 under reproducible
     usable = usable_rows(scaled)  # [R]
-    all_usable = bool(usable.all())  # one sync; the tokens go to the host right after anyway
-    if not all_usable:
-        scaled = scaled.masked_fill(~usable[:, None], 0.0)  # refused rows: no NaN downstream
+    scaled = scaled.masked_fill(~usable[:, None], 0.0)  # refused rows: no NaN downstream (no host check)
     logprobs_all = torch.log_softmax(scaled, dim=-1)  # [R, V] acc dtype
     if params.any_sampled:
         probs = truncate(logprobs_all.exp(), params)  # [R, V]
@@ -179,7 +177,6 @@ def sample_torch(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Ten
     else:
         tokens = torch.argmax(scaled, dim=-1)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1).float()
-    if not all_usable:
-        tokens = tokens.masked_fill(~usable, NO_TOKEN)
-        logprobs = logprobs.masked_fill(~usable, float("nan"))
+    tokens = tokens.masked_fill(~usable, NO_TOKEN)
+    logprobs = logprobs.masked_fill(~usable, float("nan"))
     return tokens, logprobs

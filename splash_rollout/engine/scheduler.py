@@ -31,9 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from splash_rollout.scheduling.admission import AdmissionSettings, GrowthEstimate
 from splash_rollout.engine.drafter import credit
@@ -439,13 +437,13 @@ class Scheduler:
             room[:] = [r - n for r, n in zip(room, need)]
 
     # ---- postprocess -------------------------------------------------------------------------
-    def postprocess(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor,
-                    logprobs: torch.Tensor) -> list[Request]:
-        """tokens / logprobs: [R] for the scheduled seqs that sample and their forks, in order.
+    def postprocess(self, scheduled: list[ScheduledSeq], tokens: Sequence[int],
+                    logprobs: Sequence[float]) -> list[Request]:
+        """tokens / logprobs: [R] (host) for the scheduled seqs that sample and their forks, in order.
         Returns the finished."""
         finished = []
         k = 0
-        sampled, sampled_logprobs = tokens.tolist(), logprobs.tolist()  # one conversion, not two per row
+        sampled, sampled_logprobs = tokens, logprobs
         for s in scheduled:
             samples = s.samples
             if s.draft:
@@ -466,21 +464,22 @@ class Scheduler:
                     finished.append(req)
         return finished
 
-    def postprocess_provisional(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor,
-                                logprobs: torch.Tensor) -> None:
+    def postprocess_provisional(self, scheduled: list[ScheduledSeq], tokens: Sequence[int],
+                                logprobs: Sequence[float]) -> None:
         """A step inside a token window (engine/token_window.py): every scheduled one-row decode
         computed its row and holds ``tokens[i]`` [S] provisionally; nothing finishes until ``settle``."""
-        for s, token, logprob in zip(scheduled, tokens.tolist(), logprobs.tolist()):
+        for s, token, logprob in zip(scheduled, tokens, logprobs):
             s.request.num_computed_tokens += s.num_new
             s.request.append_provisional(token, logprob)
         self.written += len(scheduled)
 
-    def settle(self, scheduled: list[ScheduledSeq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
-        """A token window closes: tokens / logprobs [K, S] are what each of the window's K steps
+    def settle(self, scheduled: list[ScheduledSeq], tokens: Sequence[Sequence[int]],
+               logprobs: Sequence[Sequence[float]]) -> list[Request]:
+        """A token window closes: tokens / logprobs [K][S] (host) are what each of the window's K steps
         sampled for each scheduled request (every replica holds them now). Each request's K
         provisional tokens become the real ones under the usual stop rule; returns the finished."""
         finished = []
-        for s, row_tokens, row_logprobs in zip(scheduled, tokens.t().tolist(), logprobs.t().tolist()):
+        for s, row_tokens, row_logprobs in zip(scheduled, zip(*tokens), zip(*logprobs)):
             req = s.request
             req.settle(row_tokens, row_logprobs)
             if self.drafter is not None:

@@ -149,7 +149,7 @@ class LayerSwitch:
         if weights is not None:
             self.shards[i] = weights()
         inject("switch_transfer", i, self.view.rank)  # tests: SPLASH_FAULT (distributed/faults.py)
-        if self.pool_pages is not None and self.pool.kv[i].shape[0] != self.pool_pages:
+        if self.pool_pages is not None and self.pool.layer_pages(i) != self.pool_pages:
             self.pool.resize_layer(i, self.pool_pages)
         if kv is not None:
             kv()

@@ -25,8 +25,6 @@ its last step, and every rank has the pages the window's growth takes (no retrac
 """
 from __future__ import annotations
 
-import torch
-
 from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
 
 
@@ -72,8 +70,8 @@ class TokenWindow:
         """Steps of the window run so far."""
         self.width: int | None = None
         """Tokens every step of the window samples (set by its first step)."""
-        self._tokens: list[torch.Tensor] = []
-        self._logprobs: list[torch.Tensor] = []
+        self._tokens: list[list[int]] = []
+        self._logprobs: list[list[float]] = []
 
     @classmethod
     def closed(cls) -> "TokenWindow":
@@ -100,23 +98,22 @@ class TokenWindow:
                                f"({len(scheduled)} scheduled, {self.width} expected; retracted: {retracted}); "
                                f"window_steps let a window open that the scheduler did not keep")
 
-    def hold(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """This rank's tokens [s] int64 and logprobs [s] of the step just sampled."""
+    def hold(self, tokens: list[int], logprobs: list[float]) -> None:
+        """This rank's tokens [s] and logprobs [s] of the step just sampled (host)."""
         self._tokens.append(tokens)
         self._logprobs.append(logprobs)
         self.done += 1
 
-    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything this rank sampled in the window: tokens [K, s] int64, logprobs [K, s]."""
-        return torch.stack(self._tokens), torch.stack(self._logprobs)
+    def held(self) -> tuple[list[list[int]], list[list[float]]]:
+        """Everything this rank sampled in the window: tokens [K][s], logprobs [K][s]."""
+        return self._tokens, self._logprobs
 
 
-def provisional(sample_rank: torch.Tensor, rank: int, tokens: torch.Tensor,
-                logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def provisional(sample_rank: list[int], rank: int, tokens: list[int],
+                logprobs: list[float]) -> tuple[list[int], list[float]]:
     """A step's [S] tokens and logprobs as this replica knows them inside a window: its own rows
     (``sample_rank`` == rank) real, the others' a stand-in (token 0, logprob 0) until it closes."""
-    mine = sample_rank == rank  # [S]
-    full_tokens = torch.zeros(sample_rank.shape[0], dtype=torch.int64)
-    full_logprobs = torch.zeros(sample_rank.shape[0], dtype=logprobs.dtype)
-    full_tokens[mine], full_logprobs[mine] = tokens, logprobs
+    mine_tokens, mine_logprobs = iter(tokens), iter(logprobs)
+    full_tokens = [next(mine_tokens) if r == rank else 0 for r in sample_rank]
+    full_logprobs = [next(mine_logprobs) if r == rank else 0.0 for r in sample_rank]
     return full_tokens, full_logprobs

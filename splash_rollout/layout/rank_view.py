@@ -61,6 +61,15 @@ class RankView:
         where = self.page_rank(logical_page, owner)
         return where == -1 or where == self.rank
 
+    def holds_whole(self, num_pages: int, owner: int) -> bool:
+        """Whether this rank stores every page of a request's history of ``num_pages`` pages."""
+        ownership = self.layout.ownership
+        if ownership is Ownership.EVERY:
+            return True
+        if ownership is Ownership.OWNER:
+            return owner == self.rank
+        return all(self.page_rank(p, owner) == self.rank for p in range(min(num_pages, self.world_size + 1)))
+
     def stores_request(self, owner: int) -> bool:
         """Whether this rank holds (part of) the history of a request with this owner."""
         return self.layout.ownership is not Ownership.OWNER or owner == self.rank

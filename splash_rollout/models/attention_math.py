@@ -68,6 +68,20 @@ def allowed_index(allowed: torch.Tensor, keys: torch.Tensor | None = None, wides
     return index, valid[:, None, :]
 
 
+def first_allowed(allowed: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``allowed_index`` at a fixed width, with no host sync: the first ``width`` allowed positions of
+    each row in increasing order (index [N, K] int64, 0 where padding; valid [N, 1, K] bool),
+    K = min(width, S). Every row must allow at most ``width`` keys (a DSA selection allows at most its
+    top-k); more would be cut."""
+    n, s = allowed.shape
+    k = min(width, s)
+    pos = torch.arange(s, device=allowed.device)
+    earlier_first = torch.where(allowed, s - pos, torch.zeros_like(pos))  # [N, S]: allowed keys > 0, earlier larger
+    top = earlier_first.topk(k, dim=1, sorted=True).values  # [N, K]
+    valid = top > 0
+    return torch.where(valid, s - top, torch.zeros_like(top)), valid[:, None, :]
+
+
 def _attend(q_nope_abs, q_pe, c, k_pe, visible, scale: float, gathered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of absorbed queries: ``c`` [S, r] and ``k_pe`` [S, rope] shared by every
     row, or (``gathered``) [N, K, r] / [N, K, rope] per row; ``visible`` broadcasts to the [N, H, S|K]

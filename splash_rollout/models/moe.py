@@ -132,14 +132,39 @@ class Router(nn.Module):
         return idx
 
 
+def stack_experts(experts: nn.ModuleList, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay the experts' weights out as three stacks on ``device`` -- gate and up [E, I, hidden], down
+    [E, hidden, I] -- and make every expert's parameters views of them (its names, values and
+    ``requires_grad`` unchanged): what a fused kernel reads with no copy. Meta experts (a rank being
+    built) get uninitialised stacks a loader fills through the views; real ones are copied in once."""
+    stacks = []
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        weights = [getattr(e, part).weight for e in experts]
+        if weights[0].is_meta:
+            stack = torch.empty((len(weights),) + tuple(weights[0].shape), dtype=weights[0].dtype, device=device)
+        else:
+            stack = torch.stack([w.detach() for w in weights]).to(device)
+        for i, (e, w) in enumerate(zip(experts, weights)):
+            getattr(e, part).weight = nn.Parameter(stack[i], requires_grad=w.requires_grad)
+        stacks.append(stack)
+    return stacks[0], stacks[1], stacks[2]
+
+
 def run_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts: nn.ModuleList,
-                first_expert: int = 0) -> torch.Tensor:
+                first_expert: int = 0, stacked: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Weighted sum of the routed experts' outputs. x [N, hidden]; idx, weight [N, k] (global expert
     ids); ``experts`` hold ids [first_expert, first_expert + len); others contribute nothing here
-    (expert parallelism sums the ranks' parts). Returns [N, hidden] in x's dtype, or float64 in
-    reproducible numerics (a partial sum: the caller adds the shared expert / other ranks, then rounds)."""
-    if partial_dtype(x.dtype) == x.dtype:  # fast numerics: few rows take one native call
+    (expert parallelism sums the ranks' parts); ``stacked``: their weights as ``stack_experts`` laid
+    them out (None: not stacked). Returns [N, hidden] in x's dtype, or float64 in reproducible
+    numerics (a partial sum: the caller adds the shared expert / other ranks, then rounds).
+    Fast numerics: few CPU rows take one native call, CUDA rows over stacked weights two Triton
+    launches with no host sync (``triton_moe``); otherwise a torch loop over the experts that got rows."""
+    if partial_dtype(x.dtype) == x.dtype:
         fused = routed_experts(x, idx, weight, experts, first_expert)
+        if fused is None and stacked is not None and x.is_cuda:
+            from splash_rollout.models.triton_moe import fused_experts
+
+            fused = fused_experts(x, idx, weight, *stacked, first_expert=first_expert)
         if fused is not None:
             return fused.to(x.dtype)
     out = torch.zeros(x.shape, dtype=partial_dtype(x.dtype), device=x.device)
@@ -161,9 +186,13 @@ class MoE(nn.Module):
         self.shared_experts = (DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts > 0 else None)
 
+    expert_stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The experts' weights as stacks their parameters view (``stack_experts``; an engine's rank sets
+    it), or None."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         idx, weight = self.gate(x)
-        out = run_experts(x, idx, weight, self.experts)
+        out = run_experts(x, idx, weight, self.experts, stacked=self.expert_stacks)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, keep=True)
         return out.to(x.dtype)

@@ -32,7 +32,7 @@ def _drive(sched, token=7):
         assert sum(x.num_new for x in s) <= sched.max_num_batched_tokens
         steps.append([(x.request.request_id, x.start, x.num_new, x.samples) for x in s])
         r = sum(x.samples for x in s)
-        sched.postprocess(s, torch.full((r,), token), torch.zeros(r))
+        sched.postprocess(s, [token] * r, [0.0] * r)
     return steps
 
 
@@ -56,7 +56,7 @@ def test_decode_rows_go_first_and_budget_mixes():
     sched.add(b)
     first = sched.schedule()
     assert [(x.request.request_id, x.num_new) for x in first] == [(0, 3), (1, 3)]
-    sched.postprocess(first, torch.tensor([9]), torch.zeros(1))
+    sched.postprocess(first, [9], [0.0])
     second = sched.schedule()
     assert [(x.request.request_id, x.num_new, x.samples) for x in second] == [(0, 1, True), (1, 5, False)]
 
@@ -70,7 +70,7 @@ def test_admission_waits_for_pages_and_pages_return():
     first = sched.schedule()
     assert [x.request.request_id for x in first] == [0, 1] and len(sched.waiting) == 1
     assert sched.pages_promised()[0] + pm.managers[0].num_used == 6
-    sched.postprocess(first, torch.tensor([7, 7]), torch.zeros(2))
+    sched.postprocess(first, [7, 7], [0.0, 0.0])
     _drive(sched)
     assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in reqs)
     assert pm.managers[0].num_free == 6
@@ -85,7 +85,7 @@ def test_page_table_grows_during_decode():
     while sched.has_unfinished:
         s = sched.schedule()
         sizes.append(len(r.pages))
-        sched.postprocess(s, torch.tensor([7]), torch.zeros(1))
+        sched.postprocess(s, [7], [0.0])
     assert sizes[0] == 1 and sizes[-1] == 3 and sizes == sorted(sizes)
 
 
@@ -160,7 +160,7 @@ def test_random_workloads_drain_within_budget(reqs, budget, page_size, num_pages
             computed[x.request.request_id] += x.num_new
         assert pm.managers[0].num_used + sched.pages_promised()[0] <= num_pages
         r = sum(x.samples for x in s)
-        sched.postprocess(s, torch.full((r,), 7), torch.zeros(r))
+        sched.postprocess(s, [7] * r, [0.0] * r)
     assert all(len(r.output_ids) == r.spec.max_new_tokens for r in admitted)
     assert pm.managers[0].num_free == num_pages
 
@@ -203,5 +203,5 @@ def test_the_quick_bound_on_a_steps_pages_never_hides_pressure(reqs, layout, bud
         s = sched.schedule()
         assert s
         r = sum(x.samples * (1 + len(x.forks)) for x in s)  # a leader's last prompt row samples for its followers too
-        sched.postprocess(s, torch.full((r,), 7), torch.zeros(r))
+        sched.postprocess(s, [7] * r, [0.0] * r)
     assert pm.pages_free == [num_pages] * 2

@@ -425,8 +425,8 @@ def test_the_drivers_pressure_probe_leaves_the_replica_unchanged():
         assert [(s.request.request_id, s.num_new, s.draft) for s in a] == \
                [(s.request.request_id, s.num_new, s.draft) for s in b], f"step {step}"
         rows = sum(len(s.draft) + 1 if s.draft else (1 + len(s.forks)) * s.samples for s in b)
-        tokens = torch.tensor([rng.randrange(6, 16) for _ in range(rows)])
-        probed.postprocess(a, tokens, torch.zeros(rows))
-        plain.postprocess(b, tokens, torch.zeros(rows))
+        tokens = [rng.randrange(6, 16) for _ in range(rows)]
+        probed.postprocess(a, tokens, [0.0] * rows)
+        plain.postprocess(b, tokens, [0.0] * rows)
         step += 1
     assert probes > 0 and plain.drafter.stats.accepted > 0

@@ -54,12 +54,12 @@ def test_settle_cuts_at_the_first_stop_and_keeps_the_rest_otherwise():
         r.append_token(5, -0.5)
     window = TokenWindow(3)
     for step, (a, b) in enumerate([(4, 4), (7, 6), (9, 8)]):  # request 0 samples its stop token at step 2
-        full_tokens, full_logprobs = provisional(torch.tensor([0, 1]), 0, torch.tensor([a]), torch.tensor([-1.0]))
-        assert full_tokens.tolist() == [a, 0]  # the other rank's token is a stand-in until the window closes
-        for r, t, lp in zip((stops, runs), full_tokens.tolist(), full_logprobs.tolist()):
+        full_tokens, full_logprobs = provisional([0, 1], 0, [a], [-1.0])
+        assert full_tokens == [a, 0]  # the other rank's token is a stand-in until the window closes
+        for r, t, lp in zip((stops, runs), full_tokens, full_logprobs):
             r.append_provisional(t, lp)
-        window.hold(torch.tensor([a]), torch.tensor([-1.0]))
-    assert window.is_over and window.held()[0].tolist() == [[4], [7], [9]]
+        window.hold([a], [-1.0])
+    assert window.is_over and window.held()[0] == [[4], [7], [9]]
     assert stops.settle([4, 7, 9], [-1.0, -2.0, -3.0]) == 1
     assert (stops.output_ids, stops.output_logprobs, stops.finish_reason) == ([5, 4, 7], [-0.5, -1.0, -2.0], "stop")
     assert runs.settle([4, 6, 8], [-1.0, -1.0, -1.0]) == 0

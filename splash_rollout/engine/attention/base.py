@@ -19,6 +19,22 @@ if TYPE_CHECKING:
     from splash_rollout.engine.kv_pool import KVPool
 
 
+DSA_KEYS_SCRATCH_KEY = "dsa_keys"
+"""Batch scratch: the most keys any row of the step's DSA selection allows (the indexer's top-k, or
+fewer keys), recorded by the executor that selected; backends gather selected keys at this fixed
+width instead of reading the widest row back from the device."""
+
+
+def selected_keys(batch: "ForwardBatch", allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """allowed: Bool [N, S] -> (index [N, K] int64 positions, valid [N, 1, K] bool), each row's keys in
+    increasing order: at the step's DSA width when recorded (fixed shapes, no host sync), else at the
+    widest row's (a selection from elsewhere)."""
+    from splash_rollout.models.attention_math import allowed_index, first_allowed
+
+    width = batch.scratch.get(DSA_KEYS_SCRATCH_KEY)
+    return allowed_index(allowed) if width is None else first_allowed(allowed, width)
+
+
 def causal_allowed(start_pos: int, num_new: int, seq_len: int, device=None) -> torch.Tensor:
     """Bool [num_new, seq_len]: row i (position start_pos + i) sees positions <= its own."""
     q_pos = torch.arange(start_pos, start_pos + num_new, device=device)

@@ -155,7 +155,7 @@ class FlashMLABackend(AttentionBackend):
         """(requests FlashMLA serves: one decode row, history whole here; the others), cached on the
         batch with their paging inputs and the others' sub-batch."""
         if "flashmla_split" not in batch.scratch:
-            whole = whole_here(batch).tolist()
+            whole = batch.whole_here if batch.whole_here is not None else whole_here(batch).tolist()
             served = [b for b, (k, w) in enumerate(zip(batch.num_new, whole)) if k == 1 and w]
             taken = set(served)
             rest = [b for b in range(batch.num_seqs) if b not in taken]
@@ -166,23 +166,5 @@ class FlashMLABackend(AttentionBackend):
                                                               dtype=torch.int64, device=batch.device)
                 batch.scratch["flashmla_paging"] = dense_metadata(batch, seqs)
             if rest and served:
-                batch.scratch["flashmla_rest"] = sub_batch(batch, rest)
+                batch.scratch["flashmla_rest"] = batch.subset(rest)
         return batch.scratch["flashmla_split"]
-
-
-def sub_batch(batch, seqs: list[int]):
-    """The requests ``seqs`` of ``batch`` as a batch of their own, and their rows in ``batch``
-    ([n] int64), for the fallback backend."""
-    from splash_rollout.engine.forward_batch import ForwardBatch
-
-    device = batch.device
-    idx = torch.tensor(seqs, dtype=torch.int64, device=device)
-    starts = batch.query_start
-    rows = torch.cat([torch.arange(starts[b], starts[b + 1], device=device) for b in seqs])
-    remap = torch.full((batch.num_seqs,), -1, dtype=torch.int64, device=device)
-    remap[idx] = torch.arange(len(seqs), device=device)
-    sub = ForwardBatch(batch.input_ids[rows], batch.positions[rows], batch.out_slots[rows],
-                       batch.block_table.index_select(0, idx), batch.seq_lens.index_select(0, idx),
-                       remap[batch.row_seq[rows]], torch.empty(0, dtype=torch.int64, device=device),
-                       [batch.num_new[b] for b in seqs], [batch.owners[b] for b in seqs], batch.page_size)
-    return sub, rows

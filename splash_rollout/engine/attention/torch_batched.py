@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from splash_rollout.engine.attention.base import AttentionBackend
-from splash_rollout.models.attention_math import allowed_index, softmax_attention
+from splash_rollout.engine.attention.base import AttentionBackend, selected_keys
+from splash_rollout.models.attention_math import softmax_attention
 from splash_rollout.models.numerics import acc_dtype
 
 CHUNK_ELEMENTS = 1 << 24
@@ -52,7 +52,7 @@ class TorchBackend(AttentionBackend):
         r = q.shape[-1]
         stored = batch.key_stored()  # [B, S]
         allowed = selected & stored.index_select(0, batch.row_seq)  # [N, S]: selected and stored here
-        index, valid = allowed_index(allowed)  # [N, K] positions, [N, 1, K]
+        index, valid = selected_keys(batch, allowed)  # [N, K] positions, [N, 1, K]
         pages = batch.block_table[batch.row_seq[:, None], index // batch.page_size]  # [N, K]
         slots = (pages * batch.page_size + index % batch.page_size).clamp(min=0)
         keys = rows[slots]  # [N, K, r + rope]
@@ -70,5 +70,5 @@ class TorchBackend(AttentionBackend):
             visible = chunk.visible(batch.positions)[:, :, None, :]  # [C, Q, 1, S]
             o, l = softmax_attention(q[chunk.q_rows], q_pe[chunk.q_rows], keys[..., :r], keys[..., r:], visible,
                                      scale, "bqhr,bsr->bqhs")  # [C, Q, H, r], [C, Q, H]
-            out[chunk.rows] = o[chunk.q_valid]
-            lse[chunk.rows] = l[chunk.q_valid]
+            out[chunk.rows] = chunk.real(o)
+            lse[chunk.rows] = chunk.real(l)

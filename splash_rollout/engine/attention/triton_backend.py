@@ -13,8 +13,7 @@ import os
 
 import torch
 
-from splash_rollout.engine.attention.base import AttentionBackend
-from splash_rollout.models.attention_math import allowed_index
+from splash_rollout.engine.attention.base import AttentionBackend, selected_keys
 from splash_rollout.models.numerics import acc_dtype
 
 TARGET_PROGRAMS = 264
@@ -39,7 +38,7 @@ def selected_slots(batch, selected: torch.Tensor) -> torch.Tensor:
     """selected: Bool [N, S] over history positions → [N, K] int32 pool slots of the selected keys
     this rank stores (K = the widest row; -1 pads rows with fewer and marks nothing stored)."""
     stored = batch.key_stored().index_select(0, batch.row_seq)  # [N, S]
-    index, valid = allowed_index(selected & stored)  # [N, K] int64, [N, 1, K]
+    index, valid = selected_keys(batch, selected & stored)  # [N, K] int64, [N, 1, K]
     pages = batch.block_table[batch.row_seq[:, None], index // batch.page_size]  # [N, K]
     slots = pages * batch.page_size + index % batch.page_size
     return torch.where(valid[:, 0] & (pages >= 0), slots, torch.full_like(slots, -1)).to(torch.int32)

@@ -34,6 +34,10 @@ class AttentionExecutor(abc.ABC):
         (replicated), else [n] int64, ascending."""
         return None
 
+    def local_rows_host(self, batch: ForwardBatch) -> list[int] | None:
+        """``local_rows`` on the host."""
+        return None
+
     def feed_forward(self, mlp: torch.nn.Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The layer's feed-forward block on the rows this rank carries: x [n, hidden] → [n, hidden]."""
         return mlp(x)
@@ -45,20 +49,34 @@ class AttentionExecutor(abc.ABC):
     """Whether a rank's next step reads only the tokens it sampled itself (its rows are its own
     requests'), so the ranks may decode a token window between exchanges (engine/token_window.py)."""
 
-    def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
-        """[R] int64: the rank that computes the logits of each of ``batch.sample_rows`` and samples
+    fixed_shapes = True
+    """Whether a decode step padded to a bucket runs the same ops on the same shapes whatever its real
+    batch (no collective sized by which rank owns which request): what a CUDA graph of the step needs."""
+
+    def sampling_ranks(self, batch: ForwardBatch) -> list[int]:
+        """[R] (host): the rank that computes the logits of each of ``batch.sample_rows`` and samples
         it. One rank here: all of them."""
-        return torch.zeros(batch.sample_rows.shape[0], dtype=torch.int64, device=batch.sample_rows.device)
+        return [0] * len(batch.sample_rows_host)
+
+    def sampled_here(self, batch: ForwardBatch) -> list[int]:
+        """The places, among the rows this rank carries, of the sampled rows it samples (host), in
+        sample order."""
+        ranks = self.sampling_ranks(batch)
+        mine = [row for row, r in zip(batch.sample_rows_host, ranks) if r == self.rank]  # batch rows, ascending
+        carried = self.local_rows_host(batch)
+        if carried is not None:  # h holds only this rank's rows: their places among them
+            place = {row: i for i, row in enumerate(carried)}
+            mine = [place[row] for row in mine]
+        return mine
 
     def sample_logits(self, h: torch.Tensor, batch: ForwardBatch, compute_logits) -> torch.Tensor:
         """Logits [r, vocab] of the sampled rows ``sampling_ranks`` gives this rank, in sample order.
         h: the last layer's output on the rows this rank carries (``local_rows``); ``compute_logits``:
         [k, hidden] -> [k, vocab]."""
-        mine = batch.sample_rows[self.sampling_ranks(batch) == self.rank]  # batch rows, ascending
-        carried = self.local_rows(batch)
-        if carried is not None:  # h holds only this rank's rows: their places among them
-            mine = torch.searchsorted(carried, mine)
-        return compute_logits(h.index_select(0, mine))
+        mine = self.sampled_here(batch)
+        if mine == list(range(h.shape[0])):
+            return compute_logits(h)
+        return compute_logits(h.index_select(0, torch.tensor(mine, dtype=torch.int64).to(h.device)))
 
 
 class RankExecutor(AttentionExecutor):
@@ -81,6 +99,6 @@ class ReplicatedRowsExecutor(RankExecutor):
     def feed_forward(self, mlp: torch.nn.Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return on_replicated_rows(mlp, x, self.s.comm)  # [N, hidden] -> [N, hidden], every rank
 
-    def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
-        r, t = batch.sample_rows.shape[0], self.s.view.world_size
-        return torch.arange(r, device=batch.sample_rows.device) * t // max(r, 1)  # [R]: 0..0, 1..1, ...
+    def sampling_ranks(self, batch: ForwardBatch) -> list[int]:
+        r, t = len(batch.sample_rows_host), self.s.view.world_size
+        return [i * t // r for i in range(r)]  # [R]: 0..0, 1..1, ...

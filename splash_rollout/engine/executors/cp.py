@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from splash_rollout.engine.executors.base import ReplicatedRowsExecutor
+from splash_rollout.engine.attention.base import DSA_KEYS_SCRATCH_KEY
 from splash_rollout.engine.executors.single import DSA_SCRATCH_KEY, index_scores, shared_selection
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.models.attention_math import indexer_select, merge_partial_attention
@@ -54,4 +55,5 @@ class CPExecutor(ReplicatedRowsExecutor):
         full = everyone.view(t, n, blocks, ps).permute(1, 2, 0, 3).reshape(n, blocks * t * ps)[:, :width]
         selected = indexer_select(full, batch.causal(), indexer.topk, getattr(indexer, "tie_break", "position"))
         batch.scratch[DSA_SCRATCH_KEY] = selected
+        batch.scratch[DSA_KEYS_SCRATCH_KEY] = min(indexer.topk, batch.max_seq_len)
         return selected

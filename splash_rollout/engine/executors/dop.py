@@ -16,6 +16,8 @@ from splash_rollout.engine.forward_batch import ForwardBatch
 
 
 class DOPExecutor(ReplicatedRowsExecutor):
+    fixed_shapes = False  # its collectives are sized by the rows each rank owns
+
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, layer = self.s, attn.layer_idx
         t, rank = s.view.world_size, s.view.rank

@@ -17,21 +17,25 @@ from splash_rollout.engine.parallel_mlp import on_owned_rows
 
 def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, list[int]]:
     """(order [N] int64: the batch's rows grouped by owner rank, batch order within an owner;
-    counts [T]: rows each rank owns). Cached on the batch: every layer of a step asks."""
+    counts [T]: rows each rank owns), made on the host. Cached on the batch: every layer of a step asks."""
     key = ("rows_by_owner", world_size)
     if key not in batch.scratch:
-        owners = batch.row_owners
-        order = torch.argsort(owners, stable=True)
-        counts = torch.bincount(owners, minlength=world_size).tolist() if owners.numel() else [0] * world_size
-        batch.scratch[key] = (order, counts)
+        by_rank = [batch.rows_of([b for b, o in enumerate(batch.owners) if o == q]) for q in range(world_size)]
+        order = [row for rows in by_rank for row in rows]
+        batch.scratch[key] = (torch.tensor(order, dtype=torch.int64).to(batch.device), [len(r) for r in by_rank])
     return batch.scratch[key]
 
 
 class DPExecutor(RankExecutor):
+    fixed_shapes = False  # its collectives are sized by the rows each rank owns
+
     inputs_stay_local = True  # a rank samples and feeds back only its own requests' tokens
 
     def local_rows(self, batch: ForwardBatch) -> torch.Tensor:
         return batch.owned_by(self.s.view.rank)[1]
+
+    def local_rows_host(self, batch: ForwardBatch) -> list[int]:
+        return batch.rows_of([b for b, o in enumerate(batch.owners) if o == self.s.view.rank])
 
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         s = self.s
@@ -44,8 +48,8 @@ class DPExecutor(RankExecutor):
         order, counts = rows_by_owner(batch, self.s.view.world_size)
         return on_owned_rows(mlp, x, self.s.comm, order, counts)
 
-    def sampling_ranks(self, batch: ForwardBatch) -> torch.Tensor:
+    def sampling_ranks(self, batch: ForwardBatch) -> list[int]:
         """Each sampled row's owner: a rank samples the rows it carries (the LM head and the sampler
         split like the attention)."""
-        return batch.row_owners.index_select(0, batch.sample_rows)  # [R]
+        return [batch.owners[b] for b in batch.sample_seqs_host]  # [R]
 

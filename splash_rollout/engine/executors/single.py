@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from splash_rollout.engine.attention import AttentionBackend
+from splash_rollout.engine.attention.base import DSA_KEYS_SCRATCH_KEY
 from splash_rollout.engine.attention.expanded_prefill import expanded_attention, plan_forms
 from splash_rollout.engine.executors.base import AttentionExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch
@@ -45,7 +46,7 @@ def index_scores(pool: KVPool, layer: int, index_q: torch.Tensor, index_w: torch
     for chunk in batch.padded_chunks(per_key, INDEX_CHUNK_ELEMENTS):
         keys = chunk.gather(cache, zero_hidden=False)  # [C, S, D]; hidden columns are masked below
         part = indexer_scores(index_q[chunk.q_rows], index_w[chunk.q_rows], keys.to(index_q.dtype))  # [C, Q, S]
-        scores[chunk.rows, : part.shape[-1]] = part[chunk.q_valid]
+        scores[chunk.rows, : part.shape[-1]] = chunk.real(part)
     return scores
 
 
@@ -64,6 +65,7 @@ def dsa_select(attn, pool: KVPool, x: torch.Tensor, q_a: torch.Tensor | None,
     scores = index_scores(pool, layer, index_q, index_w, batch)
     selected = indexer_select(scores, batch.causal(), indexer.topk, getattr(indexer, "tie_break", "position"))
     batch.scratch[DSA_SCRATCH_KEY] = selected
+    batch.scratch[DSA_KEYS_SCRATCH_KEY] = min(indexer.topk, batch.max_seq_len)
     return selected
 
 
