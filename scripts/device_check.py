@@ -19,6 +19,17 @@ Parts (each runs in its own try; a failure records its traceback and the next pa
   numerics, Triton under fast) with ``speculation`` off, always and auto on groups that repeat their
   prompt (a call to fill the drafter's history, then one measured): the same tokens as ``off``, the
   largest logprob difference (0 under reproducible), engine steps, seconds, acceptance.
+* ``cuda_graph``: decode steps replayed from CUDA graphs against the eager engine, in one invocation
+  with the arms alternated (eager, graphed, eager, graphed) at B in {1, 64, 256} on the throughput
+  model (bfloat16, Triton): ms per decode step against the HBM bound, graphed / eager, kernel
+  launches and host syncs per decode step (torch.profiler), the graphed forward run under
+  ``torch.cuda.set_sync_debug_mode("error")`` (a sync raises), the engine's own host-sync count
+  (``HostSyncs``) per step, the graphs' memory; and the tokens of graphed and eager greedy runs of
+  ``glm5-nano`` in float32 (DSA + MoE: the Triton expert kernel) compared one by one.
+* ``sharded_load``: a MoE checkpoint (glm5-nano's shape, 64 experts of width 1536, bfloat16) written
+  to a temporary folder and loaded by a one-rank engine on the device: peak GPU memory of the load
+  against the weights + KV pool it holds, and the peak anonymous host memory against the weights
+  (the files are memory-mapped: their pages are the kernel's page cache); then a short generate.
 
 The JSON (``device_check.json`` under ``--out``, default ``$OUT``) is rewritten after every part,
 so a run cut short keeps what finished. ``--cpu --tiny`` runs every part on small shapes on the CPU
@@ -30,14 +41,15 @@ so a run cut short keeps what finished. ``--cpu --tiny`` runs every part on smal
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
 import time
 import traceback
 
-PARTS = ("env", "kernel_parity", "kernel_bandwidth", "engine_cuda_vs_cpu", "speculation", "decode_throughput",
-         "transformers_peer")
+PARTS = ("env", "kernel_parity", "engine_cuda_vs_cpu", "cuda_graph", "sharded_load", "decode_throughput",
+         "speculation", "transformers_peer", "kernel_bandwidth")
 BACKENDS = ("torch", "triton", "flashmla")
 
 
@@ -447,6 +459,183 @@ def part_decode_throughput(ctx) -> dict:
     return results
 
 
+def _profile_decode(ctx, eng, prompts, tokens: int) -> dict:
+    """torch.profiler over one greedy call of ``tokens`` tokens: kernel launches, graph launches and host
+    syncs per decode step (the call's first step is the prefill; its launches are included, a bound)."""
+    torch = ctx.torch
+    from splash_rollout import SamplingParams
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True))
+        ctx.sync()
+    ops = prof.key_averages()
+
+    def count(*names: str) -> int:
+        return sum(e.count for e in ops if e.key in names)
+
+    steps = max(tokens - 1, 1)
+    return {"kernel_launches_per_step": count("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                              "cuLaunchKernelEx") / steps,
+            "graph_launches_per_step": count("cudaGraphLaunch") / steps,
+            "stream_syncs_per_step": count("cudaStreamSynchronize", "cudaDeviceSynchronize") / steps,
+            "memcpy_syncs_per_step": count("cudaMemcpy") / steps}
+
+
+def _graph_engine(ctx, model, graphs: bool, sizes, prompt_len: int, long: int, backend: str, dtype: str):
+    from splash_rollout import EngineConfig, RolloutEngine
+
+    return RolloutEngine(EngineConfig(
+        model=model, device=ctx.device, dtype=dtype, attention_backend=backend, page_size=64, max_num_seqs=max(sizes),
+        max_num_batched_tokens=4096, num_pages=max(sizes) * -(-(prompt_len + long) // 64) + 8, speculation="off",
+        max_model_len=-(-(prompt_len + long + 64) // 64) * 64, cuda_graphs="on" if graphs else "off"))
+
+
+def _sync_debug_forward(ctx, engine) -> dict:
+    """Wrap the engine's forward: padded (graphed) decode forwards run under sync-debug "error"."""
+    torch = ctx.torch
+    seen = {"graphed_forwards": 0, "error": None}
+    forward = engine._forward
+
+    def guarded(batch, order):
+        if batch.num_real is None or ctx.device != "cuda":
+            return forward(batch, order)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = forward(batch, order)
+            seen["graphed_forwards"] += 1
+            return out
+        except RuntimeError as exc:
+            seen["error"] = seen["error"] or f"{type(exc).__name__}: {str(exc)[:300]}"
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine._forward = guarded
+    return seen
+
+
+def part_cuda_graph(ctx) -> dict:
+    torch = ctx.torch
+    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+    from splash_rollout.engine.host_syncs import HostSyncs
+
+    config = throughput_model(ctx)
+    sizes, prompt_len, short, long = throughput_plan(ctx)
+    backend = "triton"
+    on_gpu = ctx.device == "cuda"  # on the CPU (a check of the script) both arms run eagerly
+    g = torch.Generator().manual_seed(0)
+    results = {"backend": backend, "dtype": "bfloat16", "rounds": 2, "graphs_possible": on_gpu}
+    engines = {arm: _graph_engine(ctx, config, arm == "graphed" and on_gpu, sizes, prompt_len, long, backend,
+                                  "bfloat16" if on_gpu else "float32")
+               for arm in ("eager", "graphed")}
+    try:
+        graphed = engines["graphed"].local_engine
+        results["graphs_captured"] = len(graphed.graphs.graphs) if graphed.graphs else 0
+        results["graph_bytes"] = graphed.graphs.bytes if graphed.graphs else 0
+        results["graph_reserve_bytes"] = graphed.settings.graph_reserve_bytes
+        param_bytes = sum(p.numel() * p.element_size() for p in engines["eager"].model.parameters())
+        sync_debug = _sync_debug_forward(ctx, graphed)
+        for b in sizes:
+            prompts = [torch.randint(2, config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            row = {arm: {"step_s": [], "tokens": None} for arm in engines}
+            for arm in ("eager", "graphed", "eager", "graphed"):  # alternated: the machine's drift hits both
+                eng = engines[arm]
+                seconds, out = {}, None
+                for n in (short, short, long):  # the first run warms up
+                    t0 = time.perf_counter()
+                    out = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                    ctx.sync()
+                    seconds[n] = time.perf_counter() - t0
+                row[arm]["step_s"].append((seconds[long] - seconds[short]) / (long - short))
+                row[arm]["tokens"] = [s.response_ids for s in out.samples]
+            bound = step_bound(ctx, config, param_bytes, b, prompt_len + (short + long) / 2)
+            for arm in engines:
+                step = sorted(row[arm]["step_s"])[0]
+                row[arm].update(best_step_s=step, times_bound=step / bound, tokens_per_s=b / step,
+                                **_profile_decode(ctx, engines[arm], prompts, 6))
+            same = [x == y for x, y in zip(row["eager"].pop("tokens"), row["graphed"].pop("tokens"))]
+            counters: list[HostSyncs] = []
+            engine_step = graphed._step
+
+            def counted(*args, **kwargs):
+                counters.append(HostSyncs())
+                with counters[-1]:
+                    return engine_step(*args, **kwargs)
+
+            graphed._step = counted
+            engines["graphed"].generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+            graphed._step = engine_step
+            decode = counters[1:]  # the first step is the prefill
+            row.update(bound_step_s=bound, graphed_over_eager=row["eager"]["best_step_s"] / row["graphed"]["best_step_s"],
+                       same_tokens_fraction=sum(same) / len(same),
+                       host_syncs_per_decode_step=[c.count for c in decode],
+                       host_sync_sites=dict(sum((c.sites for c in decode), collections.Counter())))
+            results[f"B={b}"] = row
+        results["sync_debug"] = sync_debug
+        results["graph_replays"] = graphed.graphs.replays if graphed.graphs else 0
+        results["graphs_disabled"] = graphed.graphs.disabled if graphed.graphs else "no graphs"
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    # the tokens, one by one, in float32 on glm5-nano (DSA + MoE: the Triton expert kernel in the graph)
+    prompts = [[5, 6, 7] * 7, [9] * 3, list(range(3, 60))]
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    runs = {}
+    for arm in ("eager", "graphed"):
+        with RolloutEngine(EngineConfig(model="glm5-nano", device=ctx.device, attention_backend=backend, page_size=64,
+                                        memory_budget_gib=0.05, speculation="off", max_model_len=512,
+                                        cuda_graphs="on" if arm == "graphed" and on_gpu else "off")) as eng:
+            out = eng.generate(prompts, greedy)
+            runs[arm] = [(s.response_ids, s.response_logprobs) for s in out.samples]
+    results["glm5_nano_float32"] = {
+        "same_tokens": [r[0] for r in runs["eager"]] == [r[0] for r in runs["graphed"]],
+        "max_abs_logprob": max(abs(a - b) for (_, x), (_, y) in zip(runs["eager"], runs["graphed"]) for a, b in zip(x, y))}
+    return results
+
+
+def part_sharded_load(ctx) -> dict:
+    import tempfile
+
+    torch = ctx.torch
+    from benchmarks.memory_probe import AnonPeak
+    from benchmarks.sharded_load import PROMPTS, nano_config
+    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+    from splash_rollout.models.model import MLAForCausalLM
+    from splash_rollout.models.weights import save_checkpoint
+
+    config = nano_config(8, 96) if ctx.tiny else nano_config(64, 1536)
+    with tempfile.TemporaryDirectory() as folder:
+        save_checkpoint(MLAForCausalLM.from_config(config, seed=0, dtype=torch.bfloat16), folder)
+        on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+        if ctx.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            gpu_before = torch.cuda.memory_allocated()
+        probe = AnonPeak().start()
+        t0 = time.perf_counter()
+        eng = RolloutEngine(EngineConfig(model=folder, device=ctx.device, dtype="bfloat16", num_pages=64, page_size=64,
+                                         speculation="off", cuda_graphs="off"))
+        load_s = time.perf_counter() - t0
+        peaks = probe.stop()
+        try:
+            stats = eng.memory_stats()[0]
+            held = stats["weights"] + stats["kv_pool"]
+            out = {"checkpoint_bytes": on_disk, "load_s": load_s, "weights_bytes": stats["weights"],
+                   "kv_pool_bytes": stats["kv_pool"],
+                   "host_peak_anon_growth_over_weights": (peaks.get(os.getpid(), probe.baseline) - probe.baseline)
+                   / stats["weights"]}
+            if ctx.device == "cuda":
+                out["gpu_peak_over_held"] = (torch.cuda.max_memory_allocated() - gpu_before) / held
+            batch = eng.generate(PROMPTS, SamplingParams(n=2, temperature=0.0, max_new_tokens=8, ignore_eos=True))
+            out["generated_tokens"] = sum(len(s.response_ids) for s in batch.samples)
+        finally:
+            eng.shutdown()
+    return out
+
+
 def part_transformers_peer(ctx) -> dict:
     torch = ctx.torch
     try:
@@ -477,6 +666,7 @@ def part_transformers_peer(ctx) -> dict:
 
 PART_FUNCS = {"env": part_env, "kernel_parity": part_kernel_parity, "kernel_bandwidth": part_kernel_bandwidth,
               "engine_cuda_vs_cpu": part_engine_cuda_vs_cpu, "speculation": part_speculation,
+              "cuda_graph": part_cuda_graph, "sharded_load": part_sharded_load,
               "decode_throughput": part_decode_throughput,
               "transformers_peer": part_transformers_peer}
 
@@ -495,6 +685,19 @@ def summary(report: dict) -> list[str]:
         lines.append(f"  parity flashmla sparse fp8 {case}: {w}")
     for dtype, w in parity.get("triton_indexer", {}).items():
         lines.append(f"  parity triton indexer {dtype}: {w}")
+    graphs = parts.get("cuda_graph", {}).get("result", {})
+    for key, row in graphs.items():
+        if key.startswith("B=") and isinstance(row, dict):
+            lines.append(f"  cuda_graph {key}: graphed {row['graphed']['times_bound']:.1f}x the HBM bound, "
+                         f"{row['graphed_over_eager']:.1f}x eager; launches/step {row['graphed']['kernel_launches_per_step']:.0f} "
+                         f"vs {row['eager']['kernel_launches_per_step']:.0f}; tokens equal {row['same_tokens_fraction']:.2f}")
+    if "sync_debug" in graphs:
+        lines.append(f"  cuda_graph sync-debug: {graphs['sync_debug']}; disabled: {graphs.get('graphs_disabled')}")
+    if "glm5_nano_float32" in graphs:
+        lines.append(f"  cuda_graph glm5-nano float32: {graphs['glm5_nano_float32']}")
+    load = parts.get("sharded_load", {}).get("result", {})
+    if load:
+        lines.append(f"  sharded_load: {load}")
     peer = parts.get("transformers_peer", {}).get("result", {})
     thr = parts.get("decode_throughput", {}).get("result", {})
     for backend in BACKENDS:

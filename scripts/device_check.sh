@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU backends' one prepared check (about 5 minutes on one H200, at most 8): kernel parity
-# (triton, flashmla vs torch_ref), the engine on CUDA vs the CPU engine, kernel bandwidth, decode
-# throughput per backend at B = 1 / 64 / 256 and transformers' generate as the peer.
+# The GPU backends' one prepared check (about 5-6 minutes on one H100/H200, at most 8): kernel parity
+# (triton, flashmla vs torch_ref), the engine on CUDA vs the CPU engine, CUDA-graphed decode against
+# eager (alternated, vs the HBM bound, launches and syncs per step, sync-debug "error"), a sharded load
+# (peak GPU and host memory against what the rank holds), decode throughput per backend at
+# B = 1 / 64 / 256, speculation, transformers' generate as the peer, kernel bandwidth.
 #
 # Needs torch with CUDA and Triton (both in the image); FlashMLA comes from a wheel in .whl/ when
 # one is there (download it once, elsewhere:

@@ -4,10 +4,13 @@ device_check.sh showed the engine's decode step on an H200 at 22-30x the HBM bou
 batch size, i.e. bound by the host. This script says by what: the mean decode step split (control,
 schedule, batch, forward, sample) over 23 greedy steps at B = 64 (speculation off) on device_check's
 throughput model, and torch.profiler over 8 more tokens: kernel launches, aten ops, host syncs
-(``aten::item``, ``cudaStreamSynchronize``) and GPU time against CPU time. Writes
-``host_profile.json`` and ``host_profile_ops.txt`` (the top ops by self CPU time) under ``--out``.
+(``aten::item``, ``cudaStreamSynchronize``) and GPU time (the kernel and copy rows only: an aten
+op's row repeats its kernels' time) against CPU time. ``--cuda-graphs auto|on|off`` (default off:
+the eager step) profiles the graphed engine instead. Writes ``host_profile.json`` and
+``host_profile_ops.txt`` (the top ops by self CPU time) under ``--out``.
 
     python scripts/gpu_host_profile.py --out "$OUT"                 # on the GPU machine
+    python scripts/gpu_host_profile.py --cuda-graphs on --out "$OUT"
     python scripts/gpu_host_profile.py --cpu --tiny --out /tmp/hp   # a check of the script on a CPU
 """
 import json
@@ -37,7 +40,16 @@ def decode_split(steps: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    graphs = "off"
+    if "--cuda-graphs" in argv:  # this script's own flag; the rest are device_check's
+        at = argv.index("--cuda-graphs")
+        graphs = argv[at + 1]
+        del argv[at: at + 2]
+        if graphs not in ("auto", "on", "off"):
+            raise SystemExit(f"--cuda-graphs: expected auto, on or off, got {graphs!r}")
     args = dc.parse_args(argv)
+    args.cuda_graphs = graphs
     os.makedirs(args.out, exist_ok=True)
     ctx = dc.Ctx(args)
     torch = ctx.torch
@@ -58,9 +70,11 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, config.vocab_size, (16,), generator=g).tolist() for _ in range(batch)]
     res: dict = {"B": batch, "backend": backend}
+    res["cuda_graphs"] = args.cuda_graphs
     with RolloutEngine(EngineConfig(model=config, device=ctx.device, dtype="bfloat16", attention_backend=backend,
                                     page_size=64, max_num_seqs=batch, max_num_batched_tokens=4096,
-                                    num_pages=batch * 4 + 8, speculation="off")) as eng:
+                                    num_pages=batch * 4 + 8, speculation="off",
+                                    cuda_graphs=args.cuda_graphs if ctx.device == "cuda" else "off")) as eng:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=STEPS_TOKENS, ignore_eos=True)
         eng.generate(prompts, greedy)  # warm-up: kernel compiles
         ctx.sync()
@@ -86,7 +100,9 @@ def main(argv=None) -> int:
                kernel_launches_total=count("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"),
                aten_ops_total=sum(e.count for e in ops if e.key.startswith("aten::")),
                item_calls_total=count("aten::item"), stream_syncs_total=count("cudaStreamSynchronize"),
-               device_time_total_ms=sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e3,
+               # GPU time: the device rows only (kernels, copies); an aten op's row repeats its kernels' time
+               device_time_total_ms=sum(e.self_device_time_total for e in ops
+                                        if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3,
                cpu_time_total_ms=sum(e.self_cpu_time_total for e in ops) / 1e3)
     with open(os.path.join(args.out, "host_profile.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -35,6 +35,7 @@ from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.engine.attention import get_backend
 from splash_rollout.engine.block_table import BlockTable
 from splash_rollout.engine.cpu_share import CpuShare
+from splash_rollout.engine.cuda_graphs import CUDA_GRAPH_MODES, DecodeGraphs, decode_buckets
 from splash_rollout.engine.executors.cp import CPExecutor
 from splash_rollout.engine.executors.dop import DOPExecutor
 from splash_rollout.engine.executors.dp import DPExecutor
@@ -132,7 +133,14 @@ class EngineSettings:
     decode_buckets: tuple[int, ...] = ()
     """Request counts a plain decode step is padded up to (with its key width padded to a power of two
     of pages), so every step of a bucket runs the same shapes -- what CUDA graphs replay. Empty: no
-    padding (the CPU's default: padded rows would cost compute)."""
+    padding (the CPU's default: padded rows would cost compute), or the graphs' buckets when they are on."""
+    cuda_graphs: str = "off"
+    """``auto``: on a CUDA device, decode steps replay CUDA graphs per (layout, bucket), each checked once
+    against the eager step (engine/cuda_graphs.py); ``on``: the same unchecked, refused off CUDA; ``off``."""
+    graph_reserve_bytes: int = 0
+    """What the budget set aside for the graphs (``cuda_graphs.graph_reserve_bytes``), checked at capture."""
+    max_model_len: int = 4096
+    """Longest history a request may reach: the widest key axis a graph is captured at."""
 
     @property
     def initial_pages(self) -> int:
@@ -223,6 +231,20 @@ class Engine:
                                + ([CopyOnWrite(self.scheduler, lambda: self.state.pool, rank)]
                                   if settings.prefix_sharing else []))
         """Optional work around each step's forward (engine/step_hooks.py)."""
+        self.buckets, self.graphs = settings.decode_buckets, None
+        """Decode buckets in use, and the CUDA graphs of decode steps (None: eager)."""
+        if settings.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs: expected one of {CUDA_GRAPH_MODES}, got {settings.cuda_graphs!r}")
+        if settings.cuda_graphs == "on" and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs='on' needs a CUDA device; this engine runs on {self.device} (use 'auto')")
+        if settings.cuda_graphs != "off" and self.device.type == "cuda" and not settings.return_routing:
+            self.buckets = self.buckets or decode_buckets(settings.max_num_seqs)
+            self.graphs = DecodeGraphs(self.runner.hidden, self.block_table, pool, self.comm, self.control,
+                                       settings.page_size, self.buckets,
+                                       -(-settings.max_model_len // settings.page_size),
+                                       check=settings.cuda_graphs == "auto",
+                                       reserve_bytes=settings.graph_reserve_bytes)
+            self.graphs.capture_all(self.layout, self._graphable(self.layout))
         self.cpu_share = CpuShare(torch.get_num_threads(),
                                   enabled=settings.cpu_share and t == 1 and self.device.type == "cpu")
         """Threads per step (one CPU rank): fewer while other processes hold the cores."""
@@ -530,7 +552,7 @@ class Engine:
         """(requests, pages) a plain decode step pads to -- the smallest bucket that holds it and a power
         of two of pages --, or None: no buckets, not a plain decode (a prefill chunk, drafts, forks), a
         layout whose shapes follow the owners, or more requests than the largest bucket."""
-        buckets = self.settings.decode_buckets
+        buckets = self.buckets
         if not buckets or not self.runner.executor.fixed_shapes:
             return None
         if any(s.num_new != 1 or s.num_sampled != 1 or s.draft or s.forks for s in scheduled):
@@ -538,11 +560,22 @@ class Engine:
         size = next((b for b in buckets if b >= len(scheduled)), None)
         return None if size is None else (size, 1 << (max(widest_pages, 1) - 1).bit_length())
 
+    def _graphable(self, layout: Layout) -> bool:
+        """Whether ``layout``'s padded decode steps replay graphs: one rank, or TP (every rank carries
+        every row and stores every history; its collectives do not follow the owners)."""
+        return self.world_size == 1 or layout is Layout.TP
+
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch, order) -> torch.Tensor:
         """This rank's part of one step; the logits [r, vocab] of the rows it samples."""
         if order is None:
+            if self.graphs is not None and batch.num_real is not None and self._graphable(self.layout):
+                hidden = self.graphs.hidden(batch, self.layout)
+                if hidden is not None:
+                    return self.runner.logits(hidden, batch)
             return self.runner.forward(batch)
+        if self.graphs is not None:  # a switch replaces the projection shards (and may resize the pool)
+            self.graphs.invalidate()
         switch = RankSwitch(order[0], self.state, [layer.self_attn for layer in self.model.model.layers],
                             self.transfer, self.tracked_bytes, self.page_size)
         self.runner.executor = EXECUTORS[order[0].dst](self.state)
@@ -649,6 +682,8 @@ class Engine:
             raise RuntimeError("wake_up: the engine is not asleep")
         restore_memory(self._offload, self.state.pool)
         self._offload = None
+        if self.graphs is not None:  # the weights and the pool are back at other addresses
+            self.graphs.invalidate()
 
     # ---- accounting ----------------------------------------------------------------------------
     def tracked_bytes(self) -> int:
@@ -659,8 +694,10 @@ class Engine:
 
     def memory_stats(self) -> dict[str, int | None]:
         """This rank's bytes, measured: ``tracked_bytes`` (projection shards + KV pool), ``kv_pool``,
-        ``weights`` (allocated storages under every weight tensor) and the process ``rss``."""
-        return memory_stats(self.state.pool, self.model, self.state.shards, self.tracked_bytes())
+        ``weights`` (allocated storages under every weight tensor), the process ``rss`` and ``rss_anon``,
+        and ``cuda_graphs`` (device memory the decode graphs keep)."""
+        return {**memory_stats(self.state.pool, self.model, self.state.shards, self.tracked_bytes()),
+                "cuda_graphs": self.graphs.bytes if self.graphs is not None else 0}
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, read from the tensors: switchable projections, replicated attention

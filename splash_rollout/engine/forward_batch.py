@@ -29,6 +29,16 @@ import numpy as np
 import torch
 
 
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[n] int64 on ``device`` from host ``values``; ``0, 1, ..., n - 1`` is made there (an arange: no
+    host-to-device copy, which a CUDA graph could not capture -- every index of a padded decode step is
+    one), anything else copied over."""
+    n = len(values)
+    if all(v == i for i, v in enumerate(values)):
+        return torch.arange(n, dtype=torch.int64, device=device)
+    return torch.tensor(list(values), dtype=torch.int64).to(device)
+
+
 @dataclass
 class SeqInfo:
     """One request's part of the step, as the per-request reference backend reads it."""
@@ -362,16 +372,17 @@ class PaddedChunk:
     def make(cls, batch: ForwardBatch, seqs: list[int], first_rows: list[int], q_len: int, keys: int) -> "PaddedChunk":
         device = batch.device
         counts = [batch.num_new[b] for b in seqs]
-        rows = [[first + j if j < k else 0 for j in range(q_len)] for first, k in zip(first_rows, counts)]
-        valid = [[j < k for j in range(q_len)] for k in counts]
+        rows = [first + j if j < k else 0 for first, k in zip(first_rows, counts) for j in range(q_len)]
+        valid = [j < k for k in counts for j in range(q_len)]
         real_rows = [first + j for first, k in zip(first_rows, counts) for j in range(k)]
         places = [c * q_len + j for c, k in enumerate(counts) for j in range(k)]
-        idx = torch.tensor(seqs, dtype=torch.int64).to(device)
+        idx = device_index(seqs, device)
         stored = batch.key_stored()
         pages = batch.block_table[idx, : -(-keys // batch.page_size)].clamp(min=0)
-        return cls(idx, torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(valid).to(device), pages,
-                   stored[idx, :keys], torch.tensor(real_rows, dtype=torch.int64).to(device),
-                   torch.tensor(places, dtype=torch.int64).to(device))
+        q_valid = (torch.ones(len(valid), dtype=torch.bool, device=device) if all(valid)
+                   else torch.tensor(valid).to(device))
+        return cls(idx, device_index(rows, device).view(len(seqs), q_len), q_valid.view(len(seqs), q_len), pages,
+                   stored[idx, :keys], device_index(real_rows, device), device_index(places, device))
 
 
 _current: list[ForwardBatch] = []

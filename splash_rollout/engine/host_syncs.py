@@ -27,6 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"})
 """Tensor methods that bring a value to the host."""
+HOST_UPLOADS = frozenset({"tensor", "as_tensor", "from_numpy", "asarray"})
+"""Functions that make a tensor of host data (a host-to-device copy follows; not a sync, but a CUDA
+graph cannot capture it: the graphed part of a step has none)."""
 SYNC_OPS = frozenset({"nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_select",
                       "equal", "_local_scalar_dense", "is_nonzero", "item"})
 """aten ops whose output size or value the host must wait for."""
@@ -54,6 +57,8 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if name in HOST_UPLOADS:
+            self.owner.uploads[f"{name} @ {_site()}"] += 1
         if name in HOST_READS:
             self.owner._hit(name)
             self.owner._inside_read += 1
@@ -85,14 +90,16 @@ class _Ops(TorchDispatchMode):
 
 
 class HostSyncs:
-    """``with HostSyncs() as syncs: ...`` then ``syncs.count``, ``syncs.sites`` (site -> hits) and,
-    with ``record_ops``, ``syncs.ops``: every aten op run, with its tensor arguments' shapes (two
+    """``with HostSyncs() as syncs: ...`` then ``syncs.count``, ``syncs.sites`` (site -> hits),
+    ``syncs.uploads`` (site -> tensors made from host data) and, with ``record_ops``, ``syncs.ops``: every aten op run, with its tensor arguments' shapes (two
     steps that replay one CUDA graph must run the same list)."""
 
     def __init__(self, record_ops: bool = False) -> None:
         self.record_ops = record_ops
         self.ops: list[tuple[str, tuple]] = []
         self.sites: collections.Counter = collections.Counter()
+        self.uploads: collections.Counter = collections.Counter()
+        """Site -> tensors made from host data (``HOST_UPLOADS``), counted apart from the syncs."""
         self._inside_read = 0
         self._modes = (_Reads(self), _Ops(self))
 

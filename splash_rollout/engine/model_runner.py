@@ -29,6 +29,7 @@ class ModelRunner:
         """The decoder over the batch: the last layer's output [n, hidden] on the rows this rank carries
         (before the final norm). The part of a decode step a CUDA graph replays."""
         decoder, executor = self.model.model, self.executor
+        decoder.rotary_emb.forget()  # the step's angles are computed in the step (what a graph records)
         with forward_context(batch):
             rows = executor.local_rows(batch)
             h = decoder.embed_tokens(batch.input_ids if rows is None else batch.input_ids[rows])  # [n, hidden]

@@ -98,6 +98,11 @@ class RotaryEmbedding(nn.Module):
         self._on_device: dict[torch.device, torch.Tensor] = {}
         self._last: tuple = (None, -1, None, None)  # (positions, its version, dtype, (cos, sin))
 
+    def forget(self) -> None:
+        """Drop the kept answer: the next ``cos_sin`` computes (a forward that a CUDA graph records must
+        compute its own, not reuse one from before the capture)."""
+        self._last = (None, -1, None, None)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] int -> (cos, sin) each [N, rope/2] in ``dtype``. Every layer of a step asks
         with the same positions tensor, so the last answer is kept (keyed by identity and version)."""

@@ -21,6 +21,7 @@ import os
 import torch
 
 from splash_rollout.distributed.groups import ProcessGroups
+from splash_rollout.engine.cuda_graphs import graph_reserve_bytes
 from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
@@ -72,7 +73,13 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
     dtype = TORCH_DTYPES[config.model.dtype]
     auto = config.parallel.auto
     layout = Layout.DP if auto else Layout.parse(config.parallel.layout)  # auto starts where wide batches run well
-    budget = int(config.memory.memory_budget_gib * 2**30)
+    max_len = min(config.model.max_model_len or model_config.max_position_embeddings,
+                  model_config.max_position_embeddings)
+    reserve = 0
+    if cuda_graphs_expected(config):  # the graphs' memory comes out of the budget, before the pool is sized
+        reserve = graph_reserve_bytes(model_config, config.batching.max_num_seqs,
+                                      -(-max_len // config.memory.page_size), config.memory.page_size, dtype)
+    budget = int(config.memory.memory_budget_gib * 2**30) - reserve
     by_layout = None if config.memory.num_pages else {
         l: pages_per_rank(model_config, l, world_size, budget, config.memory.page_size, dtype) for l in Layout}
     num_pages = config.memory.num_pages or by_layout[layout]
@@ -92,7 +99,14 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           return_routing=config.outputs.return_routing,
                           cpu_share=config.compute.cpu_share, driver=config.driver,
                           speculation=config.compute.speculation, feed_forward=config.parallel.feed_forward,
-                          decode_window=config.parallel.decode_window)
+                          decode_window=config.parallel.decode_window, cuda_graphs=config.compute.cuda_graphs,
+                          graph_reserve_bytes=reserve, max_model_len=max_len)
+
+
+def cuda_graphs_expected(config) -> bool:
+    """Whether this config's engine will capture CUDA graphs (``compute.cuda_graphs`` on a CUDA device)."""
+    return (config.compute.cuda_graphs != "off" and str(config.parallel.device).startswith("cuda")
+            and torch.cuda.is_available() and not config.outputs.return_routing)
 
 
 def local_device_index(rank: int) -> int:

@@ -114,6 +114,9 @@ class EngineConfig:
         problem = placement_problem(self.parallel.feed_forward, self.outputs.return_routing, self.parallel.world_size)
         if problem:
             raise ValueError(f"parallel.feed_forward / outputs.return_routing: {problem}")
+        if compute.cuda_graphs == "on" and not str(self.parallel.device).startswith("cuda"):
+            raise ValueError(f"compute.cuda_graphs='on' needs parallel.device='cuda', got {self.parallel.device!r} "
+                             f"(use 'auto': graphs where the device is CUDA)")
         if compute.attention_backend == "flashmla" and (self.memory.page_size != 64 or self.model.dtype != "bfloat16"):
             raise ValueError("compute.attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
                              f"memory.page_size={self.memory.page_size}, model.dtype={self.model.dtype!r}")

@@ -227,9 +227,22 @@ class ComputeOptions:
     measured. Costs one more copy of every float32 weight. Process-wide (models/packed_linear.py).
     Set False to keep torch's path and no copies."""
 
+    cuda_graphs: str = "auto"
+    """Decode steps replayed from CUDA graphs, one per (layout, requests bucket, key width), captured at
+    engine start (engine/cuda_graphs.py): a decode step is padded to the next bucket of requests and a
+    power of two of pages and launches the whole decoder at once instead of hundreds of kernels.
+    One rank and TP take them (DP-attention, DOP and CP steps run eagerly: their collectives follow
+    the owners). ``auto`` (default): on a CUDA device, each graph's first replay checked against the
+    eager step (a mismatch turns graphs off, with one warning); ``on``: unchecked, refused off CUDA;
+    ``off``: eager. The graphs' memory comes out of ``memory.memory_budget_gib``. Nothing changes on
+    the CPU."""
+
     def __post_init__(self) -> None:
         from splash_rollout.engine.attention import available_backends
+        from splash_rollout.engine.cuda_graphs import CUDA_GRAPH_MODES
 
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs: expected one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
         if self.attention_backend not in available_backends():
             raise ValueError(f"attention_backend: expected one of {available_backends()}, "
                              f"got {self.attention_backend!r}")

@@ -37,3 +37,30 @@ def test_backends_on_cuda(backend):
     assert tokens(a) == tokens(b)
     worst = max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.response_logprobs, t.response_logprobs))
     assert worst < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graphed_decode_gives_the_eager_tokens_and_syncs_nothing(backend):
+    pytest.importorskip("triton") if backend == "triton" else None
+    cfg = dict(model="glm5-nano", device="cuda", memory_budget_gib=0.05, attention_backend=backend, speculation="off",
+               max_model_len=512)
+    with RolloutEngine(EngineConfig(**cfg, cuda_graphs="off")) as eager:
+        want = eager.generate(PROMPTS, GREEDY)
+    with RolloutEngine(EngineConfig(**cfg, cuda_graphs="on")) as graphed:
+        engine = graphed.local_engine
+        assert engine.graphs is not None and engine.graphs.graphs  # captured at start
+        forward = engine._forward
+
+        def no_sync(batch, order):
+            if batch.num_real is None:
+                return forward(batch, order)
+            torch.cuda.set_sync_debug_mode("error")  # any sync in a graphed decode step raises
+            try:
+                return forward(batch, order)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        engine._forward = no_sync
+        got = graphed.generate(PROMPTS, GREEDY)
+        assert engine.graphs.replays > 0 and engine.graphs.disabled is None
+    assert tokens(got) == tokens(want)

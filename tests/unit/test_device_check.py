@@ -26,11 +26,14 @@ def test_cpu_tiny_parts_write_json_and_failures_are_recorded(tmp_path, monkeypat
         raise RuntimeError("planted failure")
 
     monkeypatch.setitem(script.PART_FUNCS, "env", broken)
-    assert script.main(["--cpu", "--tiny", "--parts", "env,kernel_bandwidth", "--out", str(tmp_path)]) == 0
+    assert script.main(["--cpu", "--tiny", "--parts", "env,sharded_load,kernel_bandwidth", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "device_check.json").read_text())
     env, bandwidth = report["parts"]["env"], report["parts"]["kernel_bandwidth"]
     assert env["status"] == "error" and "planted failure" in env["traceback"]
     assert bandwidth["status"] == "ok"
+    load = report["parts"]["sharded_load"]
+    assert load["status"] == "ok" and load["result"]["generated_tokens"] > 0, load
+    assert load["result"]["weights_bytes"] > 0
     for row in bandwidth["result"].values():
         assert row["triton"]["seconds"] > 0 and row["torch"]["gb_per_s"] > 0
         if importlib.util.find_spec("flash_mla") is None:  # the CPU machines: the reason names the wheel

@@ -81,6 +81,28 @@ def test_a_decode_step_reads_the_device_once_and_its_forward_never(backend):
         assert whole.count <= 2, dict(whole.sites)  # the sampled tokens (and logprobs) come back
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_decoder_of_a_padded_step_syncs_nothing_and_uploads_nothing(backend):
+    """What a CUDA graph captures: no host read, no data-dependent op, no tensor made from host data."""
+    engine = _engine(backend, buckets=(8,))
+    seen, hidden = [], engine.runner.hidden
+
+    def counted(batch, before_layer=None):
+        with HostSyncs() as syncs:
+            out = hidden(batch, before_layer)
+        if batch.num_real is not None:
+            seen.append(syncs)
+        return out
+
+    engine.runner.hidden = counted
+    engine.serve(_requests(5))
+    assert seen
+    for syncs in seen:
+        # native/ holds the CPU's own kernels (a table of weight addresses per call), which no GPU step runs
+        uploads = {site: n for site, n in syncs.uploads.items() if " @ native/" not in site}
+        assert syncs.count == 0 and not uploads, (dict(syncs.sites), uploads)
+
+
 def test_the_counter_sees_what_would_sync():
     x = torch.arange(6)
     with HostSyncs() as syncs:

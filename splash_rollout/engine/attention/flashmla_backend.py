@@ -21,6 +21,7 @@ import torch
 
 from splash_rollout.engine.attention.base import AttentionBackend
 from splash_rollout.engine.attention.kv_format import FLASHMLA_PAGE, pack_pages
+from splash_rollout.engine.forward_batch import device_index
 from splash_rollout.models.numerics import acc_dtype
 
 
@@ -161,9 +162,8 @@ class FlashMLABackend(AttentionBackend):
             rest = [b for b in range(batch.num_seqs) if b not in taken]
             batch.scratch["flashmla_split"] = (served, rest)
             if served:
-                seqs = torch.tensor(served, dtype=torch.int64, device=batch.device)
-                batch.scratch["flashmla_rows"] = torch.tensor([batch.query_start[b] for b in served],
-                                                              dtype=torch.int64, device=batch.device)
+                seqs = device_index(served, batch.device)
+                batch.scratch["flashmla_rows"] = device_index([batch.query_start[b] for b in served], batch.device)
                 batch.scratch["flashmla_paging"] = dense_metadata(batch, seqs)
             if rest and served:
                 batch.scratch["flashmla_rest"] = batch.subset(rest)

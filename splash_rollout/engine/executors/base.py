@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splash_rollout.engine.forward_batch import ForwardBatch
+from splash_rollout.engine.forward_batch import ForwardBatch, device_index
 from splash_rollout.engine.parallel_mlp import on_replicated_rows
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class AttentionExecutor(abc.ABC):
         mine = self.sampled_here(batch)
         if mine == list(range(h.shape[0])):
             return compute_logits(h)
-        return compute_logits(h.index_select(0, torch.tensor(mine, dtype=torch.int64).to(h.device)))
+        return compute_logits(h.index_select(0, device_index(mine, h.device)))
 
 
 class RankExecutor(AttentionExecutor):
