@@ -58,6 +58,8 @@ Run (``--vllm-python`` defaults to $VLLM_PYTHON, else /work/vllm-venv/bin/python
     python benchmarks/peer_engines.py --json docs/results/peer_engines.json
     python benchmarks/peer_engines.py --quick --rounds 1 --dtypes float32 --json /tmp/peer_quick.json   # smoke run
     python benchmarks/peer_engines.py --arms splash_t1,splash_t2_dp --workloads wide --json OUT.json   # no vLLM needed
+    git worktree add /tmp/base HEAD~1 && python benchmarks/peer_engines.py --arms splash_t1,splash_t1_base \
+        --baseline-src /tmp/base --splash-env own --no-transformers --json OUT.json   # this tree vs an earlier one
 
 The full run is ~(workloads x dtypes x rounds) vLLM start-ups of ~1.5 min each plus the timed calls.
 """
@@ -91,13 +93,18 @@ QUICK_WORKLOADS = {
 }
 GREEDY = dict(prompts=8, prompt_len=32, new=16)
 QUICK_GREEDY = dict(prompts=4, prompt_len=16, new=8)
-ARMS = ("vllm", "splash_t1", "splash_t2_dp", "splash_t2_dp_ffrep", "splash_t2_dp_ffrep_lockstep", "splash_2x_t1")
+ARMS = ("vllm", "splash_t1", "splash_t2_dp", "splash_t2_dp_ffrep", "splash_t2_dp_ffrep_lockstep", "splash_2x_t1",
+        "splash_t1_base")
 SPLASH_ARMS = {"splash_t1": dict(world_size=1, layout="tp", feed_forward="sharded", independent=1),
                "splash_t2_dp": dict(world_size=2, layout="dp", feed_forward="sharded", independent=1),
                "splash_t2_dp_ffrep": dict(world_size=2, layout="dp", feed_forward="replicated", independent=1),
                "splash_t2_dp_ffrep_lockstep": dict(world_size=2, layout="dp", feed_forward="replicated", independent=1,
                                                    decode_window=1),
-               "splash_2x_t1": dict(world_size=1, layout="tp", feed_forward="sharded", independent=2)}
+               "splash_2x_t1": dict(world_size=1, layout="tp", feed_forward="sharded", independent=2),
+               "splash_t1_base": dict(world_size=1, layout="tp", feed_forward="sharded", independent=1)}
+"""``splash_t1_base``: ``splash_t1`` run from another source tree (``--baseline-src``, e.g. a git
+worktree of the commit before a change), in the same invocation: ``ratios_vs_base`` is this tree's
+T = 1 over it, round by round."""
 """``independent`` > 1: that many separate one-rank engines, one thread and one core each, every one
 on its share of the prompts (prompt i to engine i mod k), timed calls started together: what any
 k-rank DP-attention could reach here with no collective at all (tokens / the slowest engine's wall)."""
@@ -569,6 +576,9 @@ def markdown(out: dict) -> str:
                 txt = fmt(med)
                 if arm and ratio is not None:
                     txt += f" ({ratio:.2f}x vllm)"
+                vs_base = cell.get("ratios_vs_base", {}).get(a, {})
+                if arm and vs_base.get("of_medians") is not None:
+                    txt += f" ({vs_base['of_medians']:.2f}x base, paired {vs_base['median_by_round']:.2f}x)"
                 vs_t1 = cell.get("ratios_vs_t1", {}).get(a, {})
                 if arm and vs_t1.get("of_medians") is not None:
                     txt += f" ({vs_t1['of_medians']:.2f}x T=1, paired {vs_t1['median_by_round']:.2f}x)"
@@ -605,6 +615,13 @@ def summarize_cell(cell: dict, arm_keys: list[str]) -> None:
     vllm = cell["arms"].get("vllm")
     cell["ratios_vs_vllm"] = {a: ratios(cell["arms"][a], vllm) for a in arm_keys
                               if vllm is not None and a != "vllm" and a in cell["arms"]}
+    # this tree's T = 1 against the baseline tree's, environment by environment
+    cell["ratios_vs_base"] = {}
+    for a in arm_keys:
+        if a.startswith("splash_t1") and not a.startswith("splash_t1_base") and a in cell["arms"]:
+            base = cell["arms"].get("splash_t1_base" + a[a.index("["):] if "[" in a else "splash_t1_base")
+            if base is not None:
+                cell["ratios_vs_base"][a] = ratios(cell["arms"][a], base)
     # each two-rank (or two-engine) arm against the one-rank arm of its environment
     # ("splash_t1[same]" for "...[same]")
     cell["ratios_vs_t1"] = {}
@@ -657,6 +674,8 @@ def main(argv=None) -> dict:
                     help="transformers generate's static batch on wide (0: all its prompts at once)")
     ap.add_argument("--arm-timeout", type=float, default=1800.0, help="seconds per child process")
     ap.add_argument("--work-dir", default=None, help="logs, prompt files, the checkpoint (default: a temporary folder)")
+    ap.add_argument("--baseline-src", default=None,
+                    help="source tree the splash_t1_base arm imports splash_rollout from (e.g. a git worktree)")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -676,6 +695,10 @@ def main(argv=None) -> dict:
 
     workloads = subset(args.workloads, WORKLOADS, "workloads")
     arms = subset(args.arms, ARMS, "arms")
+    if "splash_t1_base" in arms and not (args.baseline_src and os.path.isdir(os.path.join(args.baseline_src,
+                                                                                           "splash_rollout"))):
+        raise SystemExit(f"--arms splash_t1_base needs --baseline-src: a source tree holding splash_rollout/ "
+                         f"(e.g. git worktree add /tmp/base HEAD~1), got {args.baseline_src!r}")
     dtypes = subset(args.dtypes, ("float32", "bfloat16", "float16"), "dtypes")
     if args.rounds < 1 or args.threads < 1:
         raise SystemExit("--rounds and --threads: expected >= 1")
@@ -720,8 +743,9 @@ def main(argv=None) -> dict:
         for env_name in splash_envs:
             key = a if args.splash_env != "both" else f"{a}[{env_name}]"
             arm_keys.append(key)
+            source = {"PYTHONPATH": os.path.abspath(args.baseline_src)} if a == "splash_t1_base" else {}
             arm_defs[key] = {"engine": "splash_rollout", "python": sys.executable, "kind": "splash", "splash_env": env_name,
-                             "env": preload if env_name == "same" else {},
+                             "env": {**(preload if env_name == "same" else {}), **source},
                              "env_meaning": ("vLLM's allocator and OpenMP: tcmalloc + the venv's Intel libiomp5 preloaded"
                                              if env_name == "same" else
                                              "the plain environment: glibc malloc, the libgomp torch ships"),
