@@ -459,9 +459,12 @@ def part_decode_throughput(ctx) -> dict:
     return results
 
 
-def _profile_decode(ctx, eng, prompts, tokens: int) -> dict:
-    """torch.profiler over one greedy call of ``tokens`` tokens: kernel launches, graph launches and host
-    syncs per decode step (the call's first step is the prefill; its launches are included, a bound)."""
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+"""The runtime / driver calls that launch one kernel (a graph replay is one ``cudaGraphLaunch``)."""
+
+
+def profile_greedy(ctx, eng, prompts, tokens: int):
+    """torch.profiler's per-op averages (``key_averages``) over one greedy call of ``tokens`` tokens."""
     torch = ctx.torch
     from splash_rollout import SamplingParams
 
@@ -471,17 +474,23 @@ def _profile_decode(ctx, eng, prompts, tokens: int) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True))
         ctx.sync()
-    ops = prof.key_averages()
+    return prof.key_averages()
 
-    def count(*names: str) -> int:
-        return sum(e.count for e in ops if e.key in names)
 
+def op_count(ops, *names: str) -> int:
+    """Calls of the named ops / runtime functions in ``profile_greedy``'s averages."""
+    return sum(e.count for e in ops if e.key in names)
+
+
+def _profile_decode(ctx, eng, prompts, tokens: int) -> dict:
+    """Kernel launches, graph launches and host syncs per decode step of one greedy call (the call's
+    first step is the prefill; its launches are included, a bound)."""
+    ops = profile_greedy(ctx, eng, prompts, tokens)
     steps = max(tokens - 1, 1)
-    return {"kernel_launches_per_step": count("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                                              "cuLaunchKernelEx") / steps,
-            "graph_launches_per_step": count("cudaGraphLaunch") / steps,
-            "stream_syncs_per_step": count("cudaStreamSynchronize", "cudaDeviceSynchronize") / steps,
-            "memcpy_syncs_per_step": count("cudaMemcpy") / steps}
+    return {"kernel_launches_per_step": op_count(ops, *KERNEL_LAUNCHES) / steps,
+            "graph_launches_per_step": op_count(ops, "cudaGraphLaunch") / steps,
+            "stream_syncs_per_step": op_count(ops, "cudaStreamSynchronize", "cudaDeviceSynchronize") / steps,
+            "memcpy_syncs_per_step": op_count(ops, "cudaMemcpy") / steps}
 
 
 def _graph_engine(ctx, model, graphs: bool, sizes, prompt_len: int, long: int, backend: str, dtype: str):

@@ -83,23 +83,14 @@ def main(argv=None) -> int:
         ctx.sync()
         res["wall_s"] = time.perf_counter() - t0
         res.update(decode_split(captured[-1]))
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if ctx.device == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=PROFILED_TOKENS, ignore_eos=True))
-            ctx.sync()
-    ops = prof.key_averages()
+        ops = dc.profile_greedy(ctx, eng, prompts, PROFILED_TOKENS)
     with open(os.path.join(args.out, "host_profile_ops.txt"), "w") as f:
         f.write(ops.table(sort_by="self_cpu_time_total", row_limit=40))
-
-    def count(*names: str) -> int:
-        return sum(e.count for e in ops if e.key in names)
-
-    res.update(profiled_tokens=PROFILED_TOKENS,
-               kernel_launches_total=count("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"),
+    res.update(profiled_tokens=PROFILED_TOKENS, kernel_launches_total=dc.op_count(ops, *dc.KERNEL_LAUNCHES),
+               graph_launches_total=dc.op_count(ops, "cudaGraphLaunch"),
                aten_ops_total=sum(e.count for e in ops if e.key.startswith("aten::")),
-               item_calls_total=count("aten::item"), stream_syncs_total=count("cudaStreamSynchronize"),
+               item_calls_total=dc.op_count(ops, "aten::item"),
+               stream_syncs_total=dc.op_count(ops, "cudaStreamSynchronize"),
                # GPU time: the device rows only (kernels, copies); an aten op's row repeats its kernels' time
                device_time_total_ms=sum(e.self_device_time_total for e in ops
                                         if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3,

@@ -40,7 +40,7 @@ from splash_rollout.engine.executors.cp import CPExecutor
 from splash_rollout.engine.executors.dop import DOPExecutor
 from splash_rollout.engine.executors.dp import DPExecutor
 from splash_rollout.engine.executors.tp import TPExecutor
-from splash_rollout.engine.forward_batch import ForwardBatch
+from splash_rollout.engine.forward_batch import ForwardBatch, device_index
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
@@ -160,6 +160,18 @@ class StepEvent:
     new_tokens: int
     """Tokens sampled in this step."""
     seconds: float
+
+
+@dataclass
+class _SamplePlan:
+    """Who draws which of a step's samples (made before the forward)."""
+
+    sample_rank: list[int]
+    """[S] the rank drawing each of the step's samples, scheduled order."""
+    picked: list[int]
+    """[s] the rows of this rank's logits its samples draw from."""
+    params: SamplingBatch | None
+    """Their settings on the device (None: this rank draws nothing this step)."""
 
 
 @dataclass
@@ -393,11 +405,13 @@ class Engine:
         scheduled = self._schedule()
         clock.lap("schedule")
         batch = self._batch(scheduled, self.layout if order is None else order[0].dst, order is not None)
+        plan = self._sampling_plan(scheduled, batch, self.runner.executor if order is None
+                                   else EXECUTORS[order[0].dst](self.state))  # its inputs sent before the forward
         clock.lap("batch")
         with self.hooks.forward(scheduled, batch):
             logits = self._forward(batch, order)
         clock.lap("forward")
-        step = self._finish(scheduled, batch, logits, order)
+        step = self._finish(scheduled, batch, logits, order, plan)
         clock.lap("sample")
         self._record(scheduled, batch, clock, control_bytes, switched=order is not None)
         return step
@@ -411,13 +425,15 @@ class Engine:
             self.block_table.release(r.request_id)
         return scheduled
 
-    def _finish(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, logits: torch.Tensor, order) -> "_Step":
+    def _finish(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, logits: torch.Tensor, order,
+                plan: "_SamplePlan") -> "_Step":
         """Every rank samples its rows, hears the others' and post-processes the same tokens -- at the
         end of the step, or inside a token window provisionally until its last step; a switch
         retires the pages it moved away from."""
         window = self.window
         window.check_step(scheduled, bool(self.scheduler.retracted))
-        sample_rank, tokens, logprobs = self._sample(scheduled, batch, logits)
+        sample_rank = plan.sample_rank
+        tokens, logprobs = self._sample(plan, logits)
         window.hold(tokens, logprobs)
         if window.steps > 1:  # every step of a window appends provisionally; its last one settles them all
             self.scheduler.postprocess_provisional(scheduled, *provisional(sample_rank, self.rank, tokens, logprobs))
@@ -461,13 +477,11 @@ class Engine:
         self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)), record["seconds"],
                           drafted=record["draft_tokens"] > 0)
 
-    def _sample(self, scheduled: list[ScheduledSeq], batch: ForwardBatch,
-                logits: torch.Tensor) -> tuple[list[int], list[int], list[float]]:
-        """The step's samples, in scheduled order: one per sampling chunk, one per follower forked off
-        it (it samples from its leader's last prompt row with its own seed), one per verified row.
-        This rank draws those of the rows ``sampling_ranks`` gives it from ``logits`` [r, vocab] and
-        reads them back in one transfer (the step's one host sync). Returns, on the host,
-        (sample_rank [S]: the rank drawing each sample, tokens [s] and logprobs [s] of this rank's)."""
+    def _sampling_plan(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, executor) -> "_SamplePlan":
+        """Who draws which of the step's samples, in scheduled order: one per sampling chunk, one per
+        follower forked off it (it samples from its leader's last prompt row with its own seed), one
+        per verified row; ``executor`` (the step's layout's) deals the rows over the ranks. This rank's
+        draws' settings go to the device now, before the forward is launched."""
         specs, draws, rows = [], [], []
         row = 0
         for seq in scheduled:
@@ -482,22 +496,27 @@ class Engine:
                     draws.append(r.num_output_tokens)
                     rows.append(row)
             row += seq.num_sampled
-        row_rank = self.runner.executor.sampling_ranks(batch)  # [R], host
+        row_rank = executor.sampling_ranks(batch)  # [R], host
         local_row, mine = [], 0  # a sampled row's place among this rank's logits
         for r in row_rank:
             local_row.append(mine)
             mine += r == self.rank
         sample_rank = [row_rank[j] for j in rows]  # [S]
         here = [j for j, r in enumerate(sample_rank) if r == self.rank]
-        if not here:
-            return sample_rank, [], []
-        picked = [local_row[rows[j]] for j in here]
-        if picked != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(picked, dtype=torch.int64).to(logits.device))
-        tokens, logprobs = sample(logits, SamplingBatch.make([specs[j] for j in here], [draws[j] for j in here],
-                                                             logits.device))
+        params = (SamplingBatch.make([specs[j] for j in here], [draws[j] for j in here], self.device)
+                  if here else None)
+        return _SamplePlan(sample_rank, [local_row[rows[j]] for j in here], params)
+
+    def _sample(self, plan: "_SamplePlan", logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """This rank's draws from ``logits`` [r, vocab], read back in one transfer (the step's one host
+        sync): (tokens [s], logprobs [s]) on the host, in sample order."""
+        if plan.params is None:
+            return [], []
+        if plan.picked != list(range(logits.shape[0])):
+            logits = logits.index_select(0, device_index(plan.picked, logits.device))
+        tokens, logprobs = sample(logits, plan.params)
         pairs = torch.stack([tokens.double(), logprobs.double()], dim=1).tolist()  # one read back: [s, 2]
-        return sample_rank, [int(t) for t, _ in pairs], [lp for _, lp in pairs]
+        return [int(t) for t, _ in pairs], [lp for _, lp in pairs]
 
     def _gather_samples(self, sample_rank: list[int], tokens: list[list[int]], logprobs: list[list[float]],
                         rows: int) -> tuple[list[list[int]], list[list[float]]]:

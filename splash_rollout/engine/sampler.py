@@ -80,16 +80,17 @@ class SamplingBatch:
         sort_rows = [i for i, s in enumerate(specs) if not s.greedy and (s.top_k > 0 or s.top_p < 1.0)]
         widths = [min(int(specs[i].top_k), _TOP_K_CAP) for i in sort_rows]
         sampled = [not g for g in greedy]
+        r = len(specs)
+        # two host-to-device copies (the float and the integer settings), not eight
+        reals = torch.tensor([1.0 if g else float(s.temperature) for s, g in zip(specs, greedy)]
+                             + [float(s.top_p) for s in specs] + [float(s.min_p) for s in specs],
+                             dtype=torch.float64).to(device).split([r, r, r])
+        ints = torch.tensor([min(int(s.top_k), _TOP_K_CAP) for s in specs] + [to_int64(int(s.seed)) for s in specs]
+                            + [int(k) for k in draw_index] + [int(g) for g in greedy] + sort_rows,
+                            dtype=torch.int64).to(device).split([r, r, r, r, len(sort_rows)])
         return cls(
-            temperature=torch.tensor([1.0 if g else float(s.temperature) for s, g in zip(specs, greedy)],
-                                     dtype=torch.float32, device=device),
-            top_k=torch.tensor([min(int(s.top_k), _TOP_K_CAP) for s in specs], dtype=torch.int64, device=device),
-            top_p=torch.tensor([float(s.top_p) for s in specs], dtype=torch.float64, device=device),
-            min_p=torch.tensor([float(s.min_p) for s in specs], dtype=torch.float64, device=device),
-            seed=torch.tensor([to_int64(int(s.seed)) for s in specs], dtype=torch.int64, device=device),
-            draw_index=torch.tensor([int(k) for k in draw_index], dtype=torch.int64, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            sort_rows=torch.tensor(sort_rows, dtype=torch.int64, device=device),
+            temperature=reals[0].float(), top_k=ints[0], top_p=reals[1], min_p=reals[2], seed=ints[1],
+            draw_index=ints[2], greedy=ints[3].bool(), sort_rows=ints[4],
             sort_width=max(widths) if widths and min(widths) > 0 else None,
             truncates=bool(sort_rows) or any(s.min_p > 0 for s, g in zip(specs, sampled) if g),
             any_greedy=any(greedy), any_sampled=any(sampled))
