@@ -25,3 +25,13 @@ def assert_every_sample_once(batch, prompts, params, aborted_ok: bool) -> None:
                 assert s.finish_reason == "abort" and aborted_ok, s.finish_reason
                 assert len(s.response_ids) < p.max_new_tokens and not stops & set(s.response_ids)
     assert len(set(seeds)) == len(seeds)  # each (prompt, j) is its own request
+
+
+def assert_only_cache_holds_pages(managers) -> None:
+    """No request holds a KV page any more: every allocated page is one the prefix cache alone holds
+    (one reference, counted reclaimable), and the rest are free."""
+    for rank, m in enumerate(managers):
+        state = dict(rank=rank, free=m.num_free, used=m.num_used, refs=m.num_references, held=m.num_held,
+                     reclaimable=m.num_reclaimable, pages=m.num_pages)
+        assert m.num_used == m.num_held == m.num_reclaimable == m.num_references, state
+        assert m.num_free + m.num_held == m.num_pages, state

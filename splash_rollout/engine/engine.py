@@ -115,6 +115,10 @@ class EngineSettings:
     """How much KV growth admission expects (optimistic, with retraction; or worst case)."""
     prefix_sharing: bool = True
     """The samples of one prompt share its KV pages and prefill it once."""
+    prefix_cache: bool = True
+    """A finished request's full pages stay cached for later requests that start with the same tokens
+    (engine/prefix_cache.py; evicted least recently used under memory pressure, emptied by a weight
+    update, a switch or sleep). Needs ``prefix_sharing``; off with ``return_routing``."""
     return_routing: bool = False
     """Rank 0 records every token's routed experts per MoE layer (engine/routing_capture.py)."""
     cpu_share: bool = True
@@ -228,7 +232,8 @@ class Engine:
                                    settings.max_num_batched_tokens, settings.max_num_seqs,
                                    ever_admits=self.can_ever_admit, admission=settings.admission,
                                    prefix_sharing=settings.prefix_sharing,
-                                   drafter=SuffixDrafter() if settings.speculation != "off" else None)
+                                   drafter=SuffixDrafter() if settings.speculation != "off" else None,
+                                   prefix_cache=settings.prefix_cache and not settings.return_routing)
         """This rank's replica: the same decisions on every rank."""
         self.gate = (SpeculationGate(lambda step: price_step(self.layout, step), self.scheduler.drafter.stats)
                      if settings.speculation == "auto" and rank == 0 and price_step is not None else None)
@@ -293,32 +298,35 @@ class Engine:
 
     # ---- serving (every rank) -----------------------------------------------------------------
     def serve(self, requests: list[Request] | None = None, max_steps: int | None = None,
-              on_step: Callable[[StepEvent], None] | None = None) -> list[Request] | None:
+              on_step: Callable[[StepEvent], None] | None = None, new_call: bool = True) -> list[Request] | None:
         """Run a batch of requests to completion. Every rank passes the same requests (a replica
         each); rank 0 returns the finished ones, the other ranks None. With ``max_steps`` the call
-        stops early and leaves the rest running for the next call. ``on_step`` (rank 0) sees every step."""
+        stops early and leaves the rest running for the next call. ``on_step`` (rank 0) sees every step.
+        ``new_call=False``: this call continues the previous one (a serving loop's next poll), whose
+        length statistics and events the layout driver and the speculation gate keep."""
         if self.asleep:  # every rank refuses before any collective; the engine stays usable
             raise RuntimeError("serve: the engine is asleep; call wake_up() first")
         if self.failed is not None:
             raise RuntimeError(f"Engine (rank {self.rank}): unusable after an earlier failure ({self.failed}); "
                                f"build a new engine")
         try:
-            return self._serve(requests or [], max_steps, on_step)
+            return self._serve(requests or [], max_steps, on_step, new_call)
         except BaseException as e:
             if self.world_size > 1:  # one rank cannot be out of step with itself: it stays usable
                 self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             raise
 
-    def _serve(self, requests: list[Request], max_steps: int | None, on_step) -> list[Request] | None:
+    def _serve(self, requests: list[Request], max_steps: int | None, on_step, new_call: bool) -> list[Request] | None:
         if requests and not self.scheduler.has_unfinished:
             self.scheduler.estimate.reset()
             if self.scheduler.drafter is not None:
                 self.scheduler.drafter.new_call()
         for req in requests:
             self.scheduler.add(req)
-        self.driver.new_call()
-        if self.gate is not None:
-            self.gate.new_call()
+        if new_call:
+            self.driver.new_call()
+            if self.gate is not None:
+                self.gate.new_call()
         finished: list[Request] = []
         prev: _Step | None = None
         steps = 0
@@ -607,6 +615,7 @@ class Engine:
         every rank), or defer. Returns (SwitchOrder, PlacementSwitch), or None when deferred."""
         by_layout = self.settings.pages_by_layout
         capacity = [by_layout[dst]] * self.world_size if by_layout else None
+        self.scheduler.clear_cache()  # the cached histories are placed for the source layout
         running = list(self.scheduler.running)
         result = switch_placement(self.scheduler.placement, running, dst, capacity, list(self.scheduler.waiting),
                                   self.scheduler.pages_promised(dst))
@@ -635,6 +644,27 @@ class Engine:
         for r in ended:
             self.block_table.release(r.request_id)
         return ended
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        """Every rank, between steps: the named queued or running requests end with finish_reason
+        ``abort`` (their computed pages go to the prefix cache, the rest are freed); ids not in the
+        engine (finished already, never seen) are skipped. Returns the aborted requests."""
+        wanted = set(request_ids)
+        if not wanted:
+            return []
+        sched = self.scheduler
+        aborted: list[Request] = []
+        for req in [r for r in list(sched.running) + list(sched.waiting) if r.request_id in wanted]:
+            if req.is_finished:  # a follower its aborted leader took along
+                continue
+            if req.fork_of is not None:  # a follower waiting for its leader's prompt: the leader forgets it
+                req.fork_of.forks.remove(req)
+            followers = list(req.forks)  # they wait for this prompt: they end with it
+            sched.finish(req, "abort")
+            for r in [req, *followers]:
+                self.block_table.release(r.request_id)
+                aborted.append(r)
+        return aborted
 
     def abort_all(self) -> list[Request]:
         """Every queued and running request ends with finish_reason ``abort``; their pages are freed."""
@@ -667,6 +697,7 @@ class Engine:
             raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
         validate_update(named, self.full_shapes, check_finite=False)  # values: checked once, by the caller
         apply_update(self.model, self.state.shards, named)
+        self.scheduler.clear_cache()  # cached KV was computed by the old weights
 
     def held_parts(self) -> dict[str, list[tuple]]:
         """Full tensor name -> the parts of it this rank holds now (its current layout's heads, its
@@ -680,6 +711,7 @@ class Engine:
         if self.asleep:
             raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
         apply_parts(self.model, self.state.shards, parts)
+        self.scheduler.clear_cache()  # cached KV was computed by the old weights
 
     # ---- sleep / wake (every rank; engine/sleep.py) ----------------------------------------------
     @property
@@ -693,6 +725,7 @@ class Engine:
             raise RuntimeError("sleep: the engine is already asleep")
         if self.scheduler.has_unfinished:
             raise RuntimeError("sleep: requests are still queued or running; abort them or let them finish first")
+        self.scheduler.clear_cache()  # the pool's contents go
         self._offload = release_memory(self.state.pool, self.model, self.state.shards)
 
     def wake_up(self) -> None:

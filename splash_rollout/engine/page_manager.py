@@ -5,6 +5,10 @@ one reference (``allocate``); the samples of a prompt that share its KV add one 
 ``free`` drops one reference and the page returns to the free list when none is left. Admission
 does not reserve pages here: the scheduler decides how much growth to expect
 (``scheduling/admission.py``) and takes pages as tokens arrive.
+
+The prefix cache (``prefix_cache.py``) holds pages too (``hold`` / ``drop``: one reference each). A
+page only the cache holds is *reclaimable*: ``num_available`` counts it with the free ones, and an
+``allocate`` that finds too few free pages asks the cache to evict (``reclaim``) first.
 """
 from __future__ import annotations
 
@@ -26,6 +30,12 @@ class PageManager:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs: dict[int, int] = {}
         """page id -> page tables holding it (>= 1 while allocated)."""
+        self._held: set[int] = set()
+        """Pages the prefix cache holds a reference on."""
+        self.num_reclaimable = 0
+        """Pages only the prefix cache holds (evicted on demand)."""
+        self.reclaim = None
+        """(pages) -> None: evict cached pages until that many more are free (set by the prefix cache)."""
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -45,13 +55,25 @@ class PageManager:
     def refs(self, page: int) -> int:
         return self._refs.get(page, 0)
 
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation can get: the free ones and those only the prefix cache holds."""
+        return len(self._free) + self.num_reclaimable
+
+    @property
+    def num_held(self) -> int:
+        """Pages the prefix cache holds (some also held by running requests)."""
+        return len(self._held)
+
     # ---- pages -------------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self.num_available
 
     def allocate(self, n: int) -> list[int]:
-        """Hand out ``n`` page ids, one reference each."""
-        if not self.can_allocate(n):
+        """Hand out ``n`` page ids, one reference each (evicting cached pages first where too few are free)."""
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
+        if not 0 <= n <= len(self._free):
             raise RuntimeError(f"allocate: {n} pages requested, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
@@ -63,6 +85,8 @@ class PageManager:
         for p in pages:
             if p not in self._refs:
                 raise RuntimeError(f"share: page {p} is not allocated")
+            if self._refs[p] == 1 and p in self._held:
+                self.num_reclaimable -= 1
             self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
@@ -76,6 +100,22 @@ class PageManager:
                 self._free.append(p)
             else:
                 self._refs[p] = n - 1
+                if n == 2 and p in self._held:
+                    self.num_reclaimable += 1
+
+    def hold(self, page: int) -> None:
+        """The prefix cache takes a reference on ``page``."""
+        if page in self._held:
+            raise RuntimeError(f"hold: page {page} is already cached")
+        self.share([page])
+        self._held.add(page)
+
+    def drop(self, page: int) -> None:
+        """The prefix cache lets ``page`` go."""
+        if self._refs[page] == 1:
+            self.num_reclaimable -= 1
+        self._held.discard(page)
+        self.free([page])
 
     # ---- capacity (memory follows the layout) ---------------------------------------------------
     def free_below(self, limit: int) -> int:

@@ -160,9 +160,16 @@ class KVPlacement:
     # ---- accounting ---------------------------------------------------------------------------
     @property
     def pages_in_use(self) -> list[int]:
-        """[T] distinct pages allocated on each rank (a shared page counts once)."""
-        return [m.num_used for m in self.managers]
+        """[T] distinct pages requests hold on each rank (a shared page counts once; pages only the
+        prefix cache holds are not in use: they go as soon as a request needs them)."""
+        return [m.num_used - m.num_reclaimable for m in self.managers]
 
     @property
     def pages_free(self) -> list[int]:
-        return [m.num_free for m in self.managers]
+        """[T] pages an allocation can get on each rank: free, or held by the prefix cache alone."""
+        return [m.num_available for m in self.managers]
+
+    @property
+    def pages_cached(self) -> list[int]:
+        """[T] pages the prefix cache holds on each rank (some also held by running requests)."""
+        return [m.num_held for m in self.managers]

@@ -18,6 +18,10 @@ Memory, in three rules (every rank's replica applies them identically):
 * **Retraction.** When a step cannot get the pages its rows need, the youngest running requests
   give theirs back (tokens, logprobs and sampler draws kept) and wait at the queue head; re-admitted,
   they prefill what they had and continue with the draws they would have made.
+* **Prefix cache.** A finished request's full computed pages stay in a cache (``prefix_cache.py``)
+  until a request that starts with the same tokens takes them by reference -- the next turn of an
+  agent, a prompt seen before -- or memory runs short: pages only the cache holds count as free and
+  are evicted, least recently used first, before anything is retracted.
 
 With a ``Drafter`` (speculative decoding, engine/drafter.py) a decoding request may run 1 + k rows:
 its last token and k drafted ones, every row sampled with the draw of the token it would produce
@@ -37,6 +41,7 @@ from splash_rollout.scheduling.admission import AdmissionSettings, GrowthEstimat
 from splash_rollout.engine.drafter import credit
 from splash_rollout.engine.page_manager import num_pages_for
 from splash_rollout.engine.placement import KVPlacement, PageCopy
+from splash_rollout.engine.prefix_cache import PrefixCache
 from splash_rollout.engine.request import Request, RequestStatus
 from splash_rollout.layout.layouts import Layout
 
@@ -114,7 +119,7 @@ class Scheduler:
     def __init__(self, placement: KVPlacement, max_num_batched_tokens: int, max_num_seqs: int = 256,
                  ever_admits: Callable[[Request], bool] | None = None,
                  admission: AdmissionSettings = AdmissionSettings(), prefix_sharing: bool = True,
-                 drafter: "Drafter | None" = None) -> None:
+                 drafter: "Drafter | None" = None, prefix_cache: bool = False) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -156,6 +161,11 @@ class Scheduler:
         """This step's verifications per draft source: [verified requests, drafted tokens, kept]."""
         self.draft_cap = 0
         """Most drafted tokens per request this step (set before each step from the driver's control)."""
+        self.cache = (PrefixCache(placement.managers, placement.page_size, placement.ownership)
+                      if prefix_cache and prefix_sharing else None)
+        """Finished requests' pages, for later requests that start with the same tokens (None: off)."""
+        self.cached_tokens = 0
+        """Tokens of KV this step's admissions took from the prefix cache."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -209,8 +219,17 @@ class Scheduler:
         return total
 
     # ---- schedule ----------------------------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Forget the cached pages (their KV no longer means what it meant: new weights, or a layout
+        that places histories differently)."""
+        if self.cache is not None:
+            self.cache.clear()
+
     def schedule(self) -> list[ScheduledSeq]:
         self.copies, self.retracted, self.prefix_hit_tokens, self.prefix_sources = [], [], 0, []
+        self.cached_tokens = 0
+        if self.cache is not None:
+            self.cache.clock += 1
         self.drafts, self.accepted, self.accepted_sq, self.written = {}, 0, 0, 0
         self.by_source = {}
         self.estimate.stepped()
@@ -378,20 +397,29 @@ class Scheduler:
         p, ps = self.placement, self.placement.page_size
         prefix, shared = self._prefix_for(req)
         owners = [prefix.owner] if prefix is not None else p.owners_by_balance()
+        cached_owner, chain = self._cached_for(req, shared, owners)
+        revived = [0] * p.world_size
+        if chain:  # the cache holds more of its history than a live sample does
+            prefix, shared, owners = None, len(chain), [cached_owner]
+            revived = self.cache.reclaimable_in(chain)  # counted free in ``room`` until taken
         for owner in owners:
             req.owner = owner
-            need = self._expected_pages(req, shared)
+            need = [n + k for n, k in zip(self._expected_pages(req, shared), revived)]
             if all(n <= r for n, r in zip(need, room)):
                 break
         else:
             return None
         self._unqueue(req)
-        self._start(req, owner, prefix, shared)
+        self._start(req, owner, prefix, shared if prefix is not None else 0)
+        if chain:
+            self.cache.take(req, chain)
+            self.cached_tokens += shared * ps
         room[:] = [r - n for r, n in zip(room, need)]
         if shared:
             req.num_computed_tokens = shared * ps
             self.prefix_hit_tokens += shared * ps
-            self.prefix_sources.append((req, prefix, shared * ps))
+            if prefix is not None:  # a live sample (the cache's pages have no source left to follow)
+                self.prefix_sources.append((req, prefix, shared * ps))
         elif self.prefix_sharing and req.num_output_tokens == 0:
             self._take_followers(req, room)
         self._make_live(req)
@@ -416,6 +444,17 @@ class Scheduler:
             if n > most:
                 best, most = m, n
         return best, most
+
+    def _cached_for(self, req: Request, live_pages: int, owners: list[int]) -> tuple[int | None, list]:
+        """A cached chain of ``req``'s first full pages longer than ``live_pages`` (what a live sample
+        gives), leaving at least one position to compute, and its owner; (None, []) otherwise."""
+        if self.cache is None:
+            return None, []
+        most = (req.num_tokens - 1) // self.placement.page_size
+        if most <= live_pages:
+            return None, []
+        owner, chain = self.cache.match(req.token_ids, most, owners)
+        return (owner, chain) if len(chain) > live_pages else (None, [])
 
     def _take_followers(self, leader: Request, room: list[int]) -> None:
         """Admit the waiting samples of the leader's prompt that have not started, while they fit."""
@@ -526,6 +565,8 @@ class Scheduler:
             for f in list(req.forks):
                 self.finish(f, reason)
             req.forks = []
+            if self.cache is not None and req.fork_of is None:
+                self.cache.insert(req)  # before its own references go
             self._drop_running(req)
         else:
             self._unqueue(req)

@@ -40,8 +40,9 @@ def step_record(step: int, layout: str, scheduled: list[ScheduledSeq], batch: Fo
         "accepted_tokens": sched.accepted, "accepted_sq": sched.accepted_sq, "draft_cap": sched.draft_cap,
         "tokens_written": sched.written, "draft_sources": sched.by_source,
         "forks": sum(len(s.forks) for s in scheduled), "retracted": len(sched.retracted),
-        "prefix_hit_tokens": sched.prefix_hit_tokens,
-        "pages_used": sched.placement.pages_in_use, "pages_promised": sched.pages_promised(),
+        "prefix_hit_tokens": sched.prefix_hit_tokens, "cached_tokens": sched.cached_tokens,
+        "pages_used": sched.placement.pages_in_use, "pages_cached": sched.placement.pages_cached,
+        "pages_promised": sched.pages_promised(),
         "pages_total": [m.num_pages for m in sched.placement.managers],
         "running": len(sched.running), "control_bytes": control_bytes, "threads": threads,
         "seconds": clock.seconds, "split_s": {**clock.split, "policy": policy_s}}

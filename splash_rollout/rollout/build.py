@@ -96,6 +96,7 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
                           reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
                           admission=AdmissionSettings(mode=memory.admission), prefix_sharing=memory.prefix_sharing,
+                          prefix_cache=memory.prefix_cache,
                           return_routing=config.outputs.return_routing,
                           cpu_share=config.compute.cpu_share, driver=config.driver,
                           speculation=config.compute.speculation, feed_forward=config.parallel.feed_forward,

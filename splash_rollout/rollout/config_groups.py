@@ -123,6 +123,12 @@ class MemoryOptions:
     every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
     prefix_sharing: bool = True
     """The samples of a prompt (``n`` > 1) share its KV pages and prefill it once."""
+    prefix_cache: bool = True
+    """A finished request's full KV pages stay cached, so a later request that starts with the same
+    tokens (an agent's next turn, a prompt seen before, a shared system prompt) prefills only what is
+    new. Cached pages count as free: they are evicted, least recently used first, before any request
+    is retracted. A weight update, a layout switch and sleep empty the cache. Needs ``prefix_sharing``;
+    off with ``outputs.return_routing``. Counted per call as ``rollout/cached_tokens``."""
 
     def __post_init__(self) -> None:
         from splash_rollout.scheduling.admission import ADMISSION_MODES
@@ -135,8 +141,9 @@ class MemoryOptions:
             raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")
-        if not isinstance(self.prefix_sharing, bool):
-            raise ValueError(f"prefix_sharing: expected True or False, got {self.prefix_sharing!r}")
+        for name in ("prefix_sharing", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -150,12 +157,18 @@ class BatchingOptions:
     max_queued_requests: int = 65536
     """Most samples one ``generate`` call may ask for (prompts x n): a call beyond it is refused up
     front, naming the bound, instead of building millions of requests."""
+    poll_steps: int = 1
+    """Requests submitted one by one (``RolloutEngine.submit``, the server): the serving loop runs the
+    ranks this many steps between two looks at what arrived, was aborted and progressed. 1: a request
+    joins at the next step and tokens stream step by step; more: less per-poll overhead on spawned ranks."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected >= 1, got {self.max_num_seqs}")
+        if not _is_int(self.poll_steps) or self.poll_steps < 1:
+            raise ValueError(f"poll_steps: expected an integer >= 1, got {self.poll_steps!r}")
         if not _is_int(self.max_queued_requests) or self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests: expected an integer >= 1, got {self.max_queued_requests!r}")
 

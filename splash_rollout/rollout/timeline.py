@@ -103,11 +103,13 @@ def layout_metrics(timeline: Timeline) -> dict[str, float]:
 
 
 def memory_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """``rollout/*`` memory records of one call: retractions, prompt KV taken from another sample
-    instead of computed, prefill rows computed, and the busiest rank's peak and mean pool use."""
+    """``rollout/*`` memory records of one call: retractions, prompt KV taken from another sample or
+    from the prefix cache instead of computed (and the cache's share of it), prefill rows computed,
+    and the busiest rank's peak and mean pool use."""
     used = [memory_fractions(s)[0] for s in steps] or [0.0]
     return {"rollout/retractions": float(sum(s.get("retracted", 0) for s in steps)),
             "rollout/prefix_hit_tokens": float(sum(s.get("prefix_hit_tokens", 0) for s in steps)),
+            "rollout/cached_tokens": float(sum(s.get("cached_tokens", 0) for s in steps)),
             "rollout/prefill_rows": float(sum(s.get("prefill_rows", 0) for s in steps)),
             "memory/kv_used_peak": float(max(used)), "memory/kv_used_mean": float(sum(used) / len(used))}
 

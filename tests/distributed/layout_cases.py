@@ -52,7 +52,7 @@ def single_rank(model: str, temperature: float = 0.0) -> dict:
 
 def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budget_bytes: int | None = None,
                        switch_schedule: dict[int, str] | None = None, attention_backend: str = "torch",
-                       admission: AdmissionSettings = AdmissionSettings()):
+                       admission: AdmissionSettings = AdmissionSettings(), prefix_cache: bool = True):
     cfg = MODELS[model]
     torch.set_flush_denormal(True)
     lay = Layout.parse(layout)
@@ -63,7 +63,7 @@ def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budge
     schedule = {step: Layout.parse(l) for step, l in (switch_schedule or {}).items()}
     settings = EngineSettings(layout=lay, num_pages=num_pages, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
                               max_num_seqs=64, pages_by_layout=by_layout, switch_schedule=schedule,
-                              attention_backend=attention_backend, admission=admission)
+                              attention_backend=attention_backend, admission=admission, prefix_cache=prefix_cache)
     return Engine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, ctx.groups, settings)
 
 

@@ -39,8 +39,10 @@ SEEDED = SamplingParams(n=2, max_new_tokens=8, seed=5, ignore_eos=True)
 
 # ---- run on the spawned ranks (module level, so they pickle by name) ---------------------------
 def page_stats(ctx) -> dict:
-    """Rank 0: the driver's page managers; every rank: its physical pool size."""
+    """Rank 0: the driver's page managers once the prefix cache has let its pages go (every replica
+    alike); every rank: its physical pool size."""
     engine = ctx.state["engine"]
+    engine.scheduler.clear_cache()
     out = {"pool_pages": engine.state.pool.num_pages, "num_steps": engine.num_steps}
     if ctx.rank == 0:
         placement = engine.scheduler.placement

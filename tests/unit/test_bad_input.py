@@ -13,6 +13,7 @@ import torch
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.config import PRESETS
 from splash_rollout.rollout.validation import agree_across_ranks, check_world_size
+from tests.rollout_checks import assert_only_cache_holds_pages
 
 GOOD = [[5, 6, 7, 8], [9, 10]]
 # temperature 1 with engine-derived seeds: the tokens depend on the per-call seed counter
@@ -27,8 +28,7 @@ def _tokens(batch):
 
 
 def _assert_pages_free(eng):
-    pm = eng.local_engine.scheduler.placement.managers[0]
-    assert pm.num_free == pm.num_pages and pm.num_used == 0
+    assert_only_cache_holds_pages(eng.local_engine.scheduler.placement.managers)
 
 
 BAD_CALLS = [  # (prompts, sampling, exception, message)

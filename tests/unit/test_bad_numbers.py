@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+from tests.rollout_checks import assert_only_cache_holds_pages
 
 CFG = dict(model="glm5-nano", num_pages=32, page_size=4, max_model_len=32, max_num_batched_tokens=32)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
@@ -99,8 +100,7 @@ def test_non_finite_logits_end_only_the_affected_samples_with_error(eng):
         for s in g.samples:
             assert s.finish_reason == "error" and s.response_ids == [] and s.response_logprobs == []
     assert all(math.isfinite(lp) for s in batch.samples for lp in s.response_logprobs)
-    pm = eng.local_engine.scheduler.placement.managers[0]
-    assert pm.num_free == pm.num_pages  # the refused samples gave their pages back
+    assert_only_cache_holds_pages(eng.local_engine.scheduler.placement.managers)  # refused samples gave theirs back
     assert _tokens(eng.generate([clean_prompt], SAMPLED)) == want  # and the engine serves on
 
 

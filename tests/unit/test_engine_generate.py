@@ -12,6 +12,7 @@ import torch
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.config import PRESETS
 from tests.hf_tiny import save_hf_checkpoint
+from tests.rollout_checks import assert_only_cache_holds_pages
 
 # 8 indexer heads: a key scores exactly 0 only when all 8 ReLUs cut it, so the top-k boundary almost
 # never falls inside a tie. With ties, transformers' torch.topk choice depends on the row length
@@ -52,8 +53,7 @@ def _engine(path, **kw):
 
 
 def _assert_pages_free(eng):
-    pm = eng.local_engine.scheduler.placement.managers[0]
-    assert pm.num_free == pm.num_pages and pm.num_used == 0
+    assert_only_cache_holds_pages(eng.local_engine.scheduler.placement.managers)
 
 
 def test_greedy_matches_transformers_generate(checkpoint):

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 
 from splash_rollout import EngineConfig, RolloutEngine
 from tests.fuzz_surface import PROBE, operations, run_operations
+from tests.rollout_checks import assert_only_cache_holds_pages
 
 CFG = dict(model="glm5-nano", num_pages=64, page_size=4, max_model_len=16, max_num_batched_tokens=32,
            max_queued_requests=8)
@@ -25,5 +26,5 @@ def fuzzed():
 def test_public_surface_fuzz_one_rank(fuzzed, ops):
     engine, weights, probe = fuzzed
     run_operations(engine, ops, weights, probe)
-    pm = engine.local_engine.scheduler.placement.managers[0]
-    assert pm.num_free == pm.num_pages and not engine.local_engine.scheduler.has_unfinished
+    assert_only_cache_holds_pages(engine.local_engine.scheduler.placement.managers)
+    assert not engine.local_engine.scheduler.has_unfinished

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 from splash_rollout.models.config import PRESETS
-from tests.rollout_checks import assert_every_sample_once
+from tests.rollout_checks import assert_every_sample_once, assert_only_cache_holds_pages
 
 MAX_LEN = 48
 
@@ -25,9 +25,8 @@ def engine():
 
 def assert_nothing_held(eng: RolloutEngine) -> None:
     placement = eng.local_engine.scheduler.placement
-    pm = eng.local_engine.scheduler.placement.managers[0]
     assert not eng.local_engine.scheduler.has_unfinished
-    assert pm.num_free == pm.num_pages and pm.num_used == 0
+    assert_only_cache_holds_pages(placement.managers)
     assert placement.projected_tokens == [0]
 
 

@@ -13,6 +13,7 @@ from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.models.numerics import numerics_mode, set_numerics
+from tests.rollout_checks import assert_only_cache_holds_pages
 
 CFG = PRESETS["glm5-nano"].replace(index_topk=24)
 PAGE = 8
@@ -51,8 +52,7 @@ def _outputs(finished):
 
 
 def _assert_nothing_held(engine: Engine) -> None:
-    for m in engine.scheduler.placement.managers:
-        assert m.num_used == 0 and m.num_references == 0 and m.num_free == m.num_pages
+    assert_only_cache_holds_pages(engine.scheduler.placement.managers)
     assert engine.block_table.num_rows_in_use == 0
 
 
