@@ -48,6 +48,31 @@ class WholeCall:
         return Served(results, steps, switches, decisions, out)
 
 
+class LoopCall:
+    """Every request through the serving loop (rollout/serving_loop.py), beside the submitted requests
+    in flight: a ``generate`` call made while the loop serves. Its timeline and metrics cover the
+    steps that ran while it did (shared with what else ran)."""
+
+    def check(self, num_groups: int | None) -> None:
+        pass
+
+    def serve(self, engine, requests: list[Request], groups: list[list[Request]],
+              earlier_versions: dict[int, list[int]] | None, slots: dict[int, list[Sample | None]] | None) -> Served:
+        from splash_rollout.rollout.serving_loop import RequestHandle
+
+        loop = engine._serving_loop()
+        log = loop.log
+        start = (log.total_steps, len(log.switches), len(log.decisions))
+        handle = RequestHandle(loop, requests, lambda results, versions, version: dict(results))
+        loop.submit(requests, handle)
+        by_id = handle.result()
+        ran = log.total_steps - start[0]
+        steps = log.steps[len(log.steps) - min(ran, len(log.steps)):]
+        out = [make_group(i, reqs, by_id, engine.weight_version, earlier_versions, (slots or {}).get(i))
+               for i, reqs in enumerate(groups)]
+        return Served(list(by_id.values()), steps, log.switches[start[1]:], log.decisions[start[2]:], out)
+
+
 @dataclass(frozen=True)
 class StreamingCall:
     """Served poll by poll; finished groups judged by ``on_group`` and the call cut at ``target_groups``."""

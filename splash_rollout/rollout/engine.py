@@ -25,7 +25,7 @@ from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost, worker_build, worker_can_ever_admit,
                                           worker_memory_stats, worker_request_switch, worker_sleep, worker_wake_up)
 from splash_rollout.rollout.progress import progress_enabled
-from splash_rollout.rollout.call_modes import StreamingCall, WholeCall, call_mode
+from splash_rollout.rollout.call_modes import LoopCall, StreamingCall, WholeCall, call_mode
 from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics, speculation_metrics
 from splash_rollout.rollout.validation import (check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
@@ -50,6 +50,7 @@ class RolloutEngine:
 
         self.config = config
         apply_cpu_process_settings(config.compute, config.parallel.device)
+        self._compute_threads = torch.get_num_threads()
         # process-wide while the engine lives: a trainer in this process computes like the engine
         self._numerics_before = numerics_mode()
         set_numerics(config.compute.numerics)
@@ -63,6 +64,11 @@ class RolloutEngine:
             raise ValueError(f"world_size: {t}, but this process group has {existing} ranks")
         self._abort = threading.Event()  # abort(): checked by the driver at each step boundary
         self._call_lock = threading.Lock()
+        self._ranks_lock = threading.RLock()
+        """Held by whatever talks to the ranks (a generate call, a serving-loop poll, a weight push):
+        one at a time."""
+        self._loop = None
+        """The serving loop (rollout/serving_loop.py), started by the first ``submit``."""
         self._in_call: list[Request] | None = None  # the requests of the running generate call
         self._broken: str | None = None  # why the engine became unusable (a rank failed)
         self._closed = False
@@ -160,6 +166,8 @@ class RolloutEngine:
             raise
         offset = len(groups)
         slots.update({offset + i: [None] * len(g) for i, g in enumerate(fresh_groups)})
+        if isinstance(mode, WholeCall) and self._loop is not None and self._loop.error is None:
+            mode = LoopCall()  # the engine serves submitted requests: the call joins what runs
         return self._serve_call(requests + fresh, groups + fresh_groups, mode, earlier, slots if carried else None)
 
     def _check_resumable(self, where: str, s: Sample) -> None:
@@ -332,9 +340,12 @@ class RolloutEngine:
     def _can_ever_admit(self, requests: list[Request]) -> list[bool]:
         return self._on_ranks(worker_can_ever_admit, [RequestRecord.of(r) for r in requests])
 
-    def _make_requests(self, prompts, sampling) -> tuple[list[Request], list[list[Request]]]:
+    def _make_requests(self, prompts, sampling, check_admission: bool = True
+                       ) -> tuple[list[Request], list[list[Request]]]:
         """Validate everything, then build the requests. On error nothing is queued and the seed
-        counters do not move, so the next call samples exactly as if the bad one never happened."""
+        counters do not move, so the next call samples exactly as if the bad one never happened.
+        ``check_admission=False``: whether each fits an empty pool is left to the ranks (``submit``:
+        its serving loop's next poll refuses what can never run, without a round trip of its own)."""
         counters = (self._num_calls, self._next_request_id)
         try:
             try:
@@ -354,7 +365,8 @@ class RolloutEngine:
                     if e is not error:
                         self._fail("generate", e)
                     raise
-            self._check_admissible(requests, groups)
+            if check_admission:
+                self._check_admissible(requests, groups)
         except BaseException:
             self._num_calls, self._next_request_id = counters
             raise
@@ -425,6 +437,8 @@ class RolloutEngine:
                 return 0
             self._abort.set()
             self._host.interrupt()
+            if self._loop is not None:  # a call served through the loop: its requests end there
+                self._loop.abort([r.request_id for r in self._in_call])
             return len(self._in_call)
 
     def _check_usable(self, what: str) -> None:
@@ -442,14 +456,102 @@ class RolloutEngine:
         return self._guarded(fn.__name__, lambda: self._host.run(fn, *args))
 
     def _guarded(self, what: str, work: Callable[[], Any]) -> Any:
-        """``work()``, which talks to the ranks; a failure on more than one rank breaks the engine
-        (see ``_on_ranks``)."""
-        try:
-            return work()
-        except BaseException as e:
-            if self.config.parallel.world_size > 1:
-                self._fail(what, e)
-            raise
+        """``work()``, which talks to the ranks (alone: the serving loop's polls and the calls take
+        turns); a failure on more than one rank breaks the engine (see ``_on_ranks``)."""
+        with self._ranks_lock:
+            try:
+                return work()
+            except BaseException as e:
+                if self.config.parallel.world_size > 1:
+                    self._fail(what, e)
+                raise
+
+    # ---- requests that arrive while others run (rollout/serving_loop.py) ---------------------------
+    def submit(self, prompt, sampling: SamplingParams | None = None):
+        """One prompt (token ids or text) and its ``n`` samples, served beside whatever runs: it joins
+        the running batch at the next step boundary. Returns a ``RequestHandle`` at once --
+        ``handle.result()`` blocks for the ``SampleGroup``, ``await handle`` awaits it, ``async for
+        delta in handle.stream()`` yields the tokens as they come, ``handle.abort()`` ends it. The samples
+        are those ``generate`` gives for the same seeds (with ``sampling.seed`` unset, a seed derived
+        from the engine's seed and a per-submission counter). Many threads or coroutines may submit at
+        once. Not under torchrun (every rank would have to submit the same requests at the same step)."""
+        from splash_rollout.rollout.serving_loop import RequestHandle, sample_group
+
+        self._check_usable("submit")
+        self._check_awake("submit")
+        if self._host.every_rank_calls:
+            raise RuntimeError("submit: requests that arrive one by one need ranks this engine owns (world_size 1 "
+                               "or spawned); under torchrun use generate, which every rank calls")
+        with self._call_lock:  # the request ids and seed counters are this process's
+            requests, groups = self._make_requests([prompt], sampling, check_admission=False)
+        loop = self._serving_loop()
+        handle = RequestHandle(loop, requests, lambda results, versions, v: sample_group(0, requests, results,
+                                                                                           versions, v))
+        return loop.submit(requests, handle)
+
+    def abort_requests(self, request_ids) -> int:
+        """End submitted requests by id (``handle.request_ids``: one per sample) at the next step
+        boundary, finish_reason ``abort``, their tokens so far kept; the others run on. Returns how
+        many were still in flight."""
+        return self._loop.abort(list(request_ids)) if self._loop is not None else 0
+
+    async def agenerate(self, prompt, sampling: SamplingParams | None = None) -> SampleGroup:
+        """``submit`` awaited: the prompt's group of ``n`` samples."""
+        return await self.submit(prompt, sampling)
+
+    def _serving_loop(self, own_thread: bool = True):
+        from splash_rollout.rollout.serving_loop import ServingLoop
+
+        with self._call_lock:
+            if self._loop is not None and self._loop.error is not None:
+                raise RuntimeError(f"submit: the serving loop stopped: {self._loop.error}")
+            if self._loop is None:
+                self._loop = ServingLoop(self, self.config.batching.poll_steps, own_thread)
+            elif not own_thread:
+                raise RuntimeError("serve_here: the serving loop already runs (a submit came first)")
+            return self._loop
+
+    def serve_here(self, ready: Callable[[], None] | None = None) -> None:
+        """Serve submitted requests in the calling thread until ``shutdown()`` or ``stop_serving()``
+        (from another thread or a signal handler), instead of in a thread of the engine's own; call it
+        before the first ``submit``. ``ready()`` is called once the loop accepts requests.
+
+        Why a caller would: with one rank in this process, the engine computes in whichever thread
+        serves, and a second thread computing with torch's OpenMP pool measures 10-17 % slower than
+        the thread that built the engine (2-core CPU, GNU OpenMP; see docs/serving.md). The server
+        (``python -m splash_rollout.serve``) serves in its main thread and answers HTTP in another."""
+        loop = self._serving_loop(own_thread=False)
+        if ready is not None:
+            ready()
+        loop.run()
+
+    def stop_serving(self, timeout_s: float = 60.0) -> None:
+        """End the serving loop: what is in flight is aborted (finish_reason ``abort``) and handed back."""
+        if self._loop is not None and self._loop.error is None:
+            self._loop.stop(timeout_s)
+
+    def _enter_compute_thread(self) -> None:
+        """Called by a thread that will run this process's rank (the serving loop): the per-thread CPU
+        state the engine's own thread got at construction -- the MXCSR denormal flags
+        (``torch.set_flush_denormal`` sets them for the calling thread only) and torch's thread count."""
+        from splash_rollout.rollout.process_settings import apply_cpu_process_settings
+
+        apply_cpu_process_settings(self.config.compute, self.config.parallel.device)
+        torch.set_num_threads(self._compute_threads)
+
+    def _poll_ranks(self, records, abort_ids, max_steps: int):
+        """One serving-loop poll on every rank (rollout/ranks.py worker_serve_async), and the weight
+        version it ran under."""
+        from splash_rollout.rollout.ranks import worker_serve_async
+
+        with self._ranks_lock:
+            version = self.weight_version
+            return self._on_ranks(worker_serve_async, records, abort_ids, max_steps), version
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests submitted (or of a generate call served through the loop) and not yet ended."""
+        return self._loop.in_flight if self._loop is not None else 0
 
     def _fail(self, what: str, e: BaseException) -> None:
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
@@ -482,6 +584,9 @@ class RolloutEngine:
         with self._call_lock:
             if self._in_call is not None:
                 raise RuntimeError("sleep: a generate call is running; abort() it and let it return first")
+        if self.requests_in_flight:
+            raise RuntimeError(f"sleep: {self.requests_in_flight} submitted requests are in flight; let them end or "
+                               f"abort them (handle.abort(), abort_requests) first")
         self._on_ranks(worker_sleep)
         self._asleep = True
 
@@ -521,6 +626,8 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         if not self._closed:
+            if self._loop is not None and self._loop.error is None and self._broken is None:
+                self._loop.stop()  # what is in flight ends with finish_reason "abort"
             self._host.shutdown()
             set_numerics(self._numerics_before)
             self._closed = True

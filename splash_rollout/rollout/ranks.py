@@ -215,6 +215,51 @@ def worker_serve(ctx, records: list[RequestRecord], progress: bool = False):
     return results, steps, switches, decisions
 
 
+def worker_serve_async(ctx, records: list[RequestRecord], abort_ids: list[int], max_steps: int):
+    """One poll of the serving loop (rollout/serving_loop.py) on every rank: end ``abort_ids``, add
+    ``records`` that can ever run to what runs, serve up to ``max_steps`` steps. Rank 0 returns
+    (results of the requests that ended -- finished or aborted --, {request id: (first new output
+    position, new tokens, their logprobs)} for the ones still running, step log, switch log, new
+    decisions, the engine's state, [(request id, KV pages it needs)] of the records refused because
+    no pool this engine may use holds them)."""
+    engine: Engine = ctx.state["engine"]
+    aborted = engine.abort_requests(abort_ids)
+    fresh = not engine.scheduler.has_unfinished  # a new burst of work: the driver's call statistics restart
+    if fresh:
+        engine.driver.decision_log = []
+        ctx.state["decisions_seen"] = 0
+    arrived = [r.request() for r in records]
+    fits = [engine.can_ever_admit(q) for q in arrived]  # the same answer on every rank
+    refused = [(q.request_id, q.pages_needed(engine.settings.page_size)) for q, ok in zip(arrived, fits) if not ok]
+    finished = engine.serve([q for q, ok in zip(arrived, fits) if ok], max_steps=max_steps, new_call=fresh)
+    if ctx.rank != 0:
+        return None
+    reported = ctx.state.setdefault("reported", {})
+    results = []
+    for r in aborted + (finished or []):
+        reported.pop(r.request_id, None)
+        results.append(RequestResult(r.request_id, list(r.output_ids), list(r.output_logprobs),
+                                     r.finish_reason or "abort",
+                                     engine.routing.take(r) if engine.routing is not None else None))
+    progress = {}
+    for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        have, n = reported.get(r.request_id, 0), r.num_output_tokens
+        if n > have:
+            progress[r.request_id] = (have, r.output_ids[have:], r.output_logprobs[have:])
+            reported[r.request_id] = n
+    seen = ctx.state.get("decisions_seen", 0)
+    decisions = engine.decision_log[seen:]
+    ctx.state["decisions_seen"] = len(engine.decision_log)
+    steps, switches = engine.step_log, engine.switch_log
+    engine.step_log, engine.switch_log = [], []
+    placement = engine.scheduler.placement
+    state = {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+             "layout": engine.layout.value, "pages_used": placement.pages_in_use,
+             "pages_cached": placement.pages_cached, "pages_total": [m.num_pages for m in placement.managers],
+             "steps": engine.num_steps}
+    return results, progress, steps, switches, decisions, state, refused
+
+
 def worker_request_switch(ctx, dst: str, blocking: bool) -> None:
     ctx.state["engine"].request_switch(dst, blocking)
 

@@ -1,0 +1,365 @@
+"""Requests that arrive while others run: a serving loop over the engine's ranks, and a handle per request.
+
+Why: RL frameworks drive their rollout engines one trajectory at a time -- an agent loop awaits each
+turn, a server answers each HTTP request -- and a request must not wait for a whole batch to end
+before it can start. ``RolloutEngine.submit`` hands a prompt's group of ``n`` samples to the loop and
+returns a ``RequestHandle`` at once; the loop, a thread in the engine's process, serves the ranks in
+polls of ``poll_steps`` steps (``Engine.serve(max_steps=...)``: what runs stays running between
+polls), and at each poll's start the requests submitted since join the running batch -- in whatever
+layout it is, across switches -- and the aborted ones leave. After each poll every handle gets its
+new tokens (``stream``) and the finished ones their group (``result`` / ``await``).
+
+A request's tokens depend on its seed and its history, never on what it ran beside, so a submitted
+request gives the samples ``generate`` gives for the same seeds. ``generate`` itself, called while
+the loop has requests in flight, goes through it too (its requests join the others); when nothing
+is in flight it serves its call directly, as before. The loop and every other call that talks to
+the ranks take turns (``RolloutEngine._ranks_lock``): a poll at a time. A failure on the ranks fails
+every handle in flight with that error and breaks the engine, as a failed ``generate`` does.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from splash_rollout.engine.request import Request
+from splash_rollout.rollout.ranks import RequestRecord, RequestResult, worker_serve_async
+from splash_rollout.rollout.types import Sample, SampleGroup
+
+TOTALS = ("prefill_rows", "cached_tokens", "tokens_written", "switches")
+STEP_LOG_KEEP = 4096
+"""Steps of the loop's rolling log kept for ``/timeline`` and the metrics (older ones are dropped)."""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one sample of a handle since the last delta (``stream``)."""
+
+    sample: int
+    """Index of the sample in its group."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    """Set on a sample's last delta."""
+
+
+class RequestHandle:
+    """One submitted prompt's group of ``n`` samples: await it, block on it, stream it, abort it."""
+
+    def __init__(self, loop: "ServingLoop", requests: list[Request],
+                 make_group: Callable[[dict, list[list[int]], int], SampleGroup]) -> None:
+        """make_group(results by request id, per sample the weight version of each token, the version
+        the group finished under) -> the group."""
+        self._loop, self.requests, self._make_group = loop, requests, make_group
+        self.request_ids = [r.request_id for r in requests]
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._results: dict[int, RequestResult] = {}
+        self._tokens: list[list[int]] = [[] for _ in requests]
+        self._logprobs: list[list[float]] = [[] for _ in requests]
+        """Per sample: the tokens (and logprobs) handed out so far -- what a stream opened late replays."""
+        self._reasons: list[str | None] = [None] * len(requests)
+        self._versions: list[list[int]] = [[] for _ in requests]
+        """Per sample: the weight version each of its tokens so far was sampled under."""
+        self._done = threading.Event()
+        self._group: SampleGroup | None = None
+        self._error: BaseException | None = None
+        self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._lock = threading.Lock()
+        """Guards the tokens so far and the listeners: a delta is recorded and sent under it."""
+        self._admission: concurrent.futures.Future = concurrent.futures.Future()
+        """Set once the poll that carried the requests has run: True, or the ValueError refusing them."""
+
+    # ---- what the loop calls (its thread) ---------------------------------------------------------
+    def _add(self, i: int, token_ids: list[int], logprobs: list[float], version: int, reason: str | None) -> None:
+        """Sample ``i``'s new tokens (and its end): recorded, then sent to every listener."""
+        if token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        with self._lock:
+            self._tokens[i] += token_ids
+            self._logprobs[i] += logprobs
+            self._versions[i] += [version] * len(token_ids)
+            self._reasons[i] = reason
+            delta = TokenDelta(i, list(token_ids), list(logprobs), reason)
+            for aloop, queue in self._listeners:
+                aloop.call_soon_threadsafe(queue.put_nowait, delta)
+
+    def _progress(self, request_id: int, start: int, token_ids: list[int], logprobs: list[float],
+                  version: int) -> None:
+        """A running sample's tokens from output position ``start`` on, sampled under ``version``."""
+        i = self._index[request_id]
+        skip = len(self._tokens[i]) - start
+        if len(token_ids) > skip:
+            self._add(i, token_ids[skip:], logprobs[skip:], version, None)
+
+    def _finish(self, result: RequestResult, version: int) -> bool:
+        """A sample ended (its last tokens sampled under ``version``); True once the whole group has."""
+        i = self._index[result.request_id]
+        self._results[result.request_id] = result
+        have = len(self._tokens[i])
+        self._add(i, result.output_ids[have:], result.output_logprobs[have:], version, result.finish_reason)
+        if len(self._results) < len(self.requests):
+            return False
+        self._group = self._make_group(self._results, self._versions, version)
+        self._close(None)
+        return True
+
+    def _admit(self) -> None:
+        if not self._admission.done():
+            self._admission.set_result(True)
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._admission.done():
+            self._admission.set_exception(error)
+        self._close(error)
+
+    def _close(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+        with self._lock:
+            for aloop, queue in self._listeners:
+                aloop.call_soon_threadsafe(queue.put_nowait, None)
+
+    # ---- the caller's side -------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def admitted(self, timeout: float | None = None) -> bool:
+        """Blocks until the engine has taken the requests into its queue (the next step boundary):
+        True, or raises the ValueError that refused them (no pool this engine may use holds prompt +
+        ``max_new_tokens``)."""
+        try:
+            return self._admission.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"request {self.request_ids}: not taken by the engine within {timeout} s") from None
+
+    async def wait_admitted(self) -> bool:
+        """``admitted``, awaited."""
+        return await asyncio.wrap_future(self._admission)
+
+    def result(self, timeout: float | None = None) -> SampleGroup:
+        """The group once every sample has finished (blocks; ``timeout`` seconds at most)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_ids}: not finished within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._group
+
+    async def wait(self) -> SampleGroup:
+        """The group, awaited (the event loop keeps running meanwhile)."""
+        async for _ in self.stream():
+            pass
+        return self.result(0)
+
+    def __await__(self):
+        return self.wait().__await__()
+
+    async def stream(self) -> AsyncIterator[TokenDelta]:
+        """The samples' tokens as steps produce them (every delta from the first token on, whenever
+        the stream is opened), each sample's last delta with its finish reason."""
+        queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        with self._lock:
+            for i in range(len(self.requests)):  # what came before the listener, one delta per sample
+                if self._tokens[i] or self._reasons[i] is not None:
+                    queue.put_nowait(TokenDelta(i, list(self._tokens[i]), list(self._logprobs[i]), self._reasons[i]))
+            if self._done.is_set():
+                queue.put_nowait(None)
+            else:
+                self._listeners.append((aloop, queue))
+        try:
+            while True:
+                delta = await queue.get()
+                if delta is None:
+                    break
+                yield delta
+        finally:
+            with self._lock:
+                if (aloop, queue) in self._listeners:
+                    self._listeners.remove((aloop, queue))
+        if self._error is not None:
+            raise self._error
+
+    def abort(self) -> None:
+        """End the group's unfinished samples at the next step boundary (finish_reason ``abort``)."""
+        self._loop.abort(self.request_ids)
+
+
+@dataclass
+class LoopLog:
+    """What the loop's polls logged (rank 0's step, switch and decision records), rolling."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    total_steps: int = 0
+    """Steps logged since the loop started (``steps`` keeps the last ``STEP_LOG_KEEP``)."""
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOTALS, 0))
+    """Since the loop started, summed over its steps: prompt rows computed (``prefill_rows``), prompt
+    tokens taken from the prefix cache instead (``cached_tokens``), tokens written, switches."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """The engine after the last poll: running and waiting requests, layout, KV pages."""
+
+    def add(self, steps, switches, decisions) -> None:
+        self.steps.extend(steps)
+        self.switches.extend(switches)
+        self.decisions.extend(decisions)
+        self.total_steps += len(steps)
+        for s in steps:
+            for key in ("prefill_rows", "cached_tokens", "tokens_written"):
+                self.totals[key] += s.get(key, 0)
+        self.totals["switches"] += len(switches)
+        del self.steps[:-STEP_LOG_KEEP]
+        del self.switches[:-STEP_LOG_KEEP]
+        del self.decisions[:-STEP_LOG_KEEP]
+
+
+class ServingLoop:
+    """The thread that serves submitted requests on the engine's ranks (see the module doc)."""
+
+    def __init__(self, engine, poll_steps: int = 1, own_thread: bool = True) -> None:
+        """``own_thread``: start the loop's thread now; False: the caller runs ``run()`` in a thread of
+        its own (``RolloutEngine.serve_here``)."""
+        if not isinstance(poll_steps, int) or isinstance(poll_steps, bool) or poll_steps < 1:
+            raise ValueError(f"poll_steps: expected an integer >= 1, got {poll_steps!r}")
+        self.engine, self.poll_steps = engine, poll_steps
+        self.log = LoopLog()
+        self._cond = threading.Condition()
+        self._pending: list[tuple[Request, RequestHandle]] = []
+        self._aborts: set[int] = set()
+        self._active: dict[int, RequestHandle] = {}
+        """request id -> its handle, from submission until it ends."""
+        self._stopping = False
+        self.error: BaseException | None = None
+        """What ended the loop (a failure on the ranks), None while it serves."""
+        self.tokens_out = 0
+        """Tokens handed to handles since the loop started."""
+        self._thread: threading.Thread | None = None
+        self._ended = threading.Event()
+        if own_thread:
+            self._thread = threading.Thread(target=self.run, name="splash-serving-loop", daemon=True)
+            self._thread.start()
+
+    # ---- callers (any thread) ---------------------------------------------------------------------
+    def submit(self, requests: list[Request], handle: RequestHandle) -> RequestHandle:
+        with self._cond:
+            if self.error is not None or self._stopping:
+                raise RuntimeError(f"serving loop: not serving ({self.error or 'shut down'})")
+            for r in requests:
+                self._pending.append((r, handle))
+                self._active[r.request_id] = handle
+            self._cond.notify()
+        return handle
+
+    def abort(self, request_ids) -> int:
+        """End these requests at the next step boundary; returns how many of them were in flight."""
+        with self._cond:
+            live = [rid for rid in request_ids if rid in self._active]
+            self._aborts.update(live)
+            self._cond.notify()
+            return len(live)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight; returns how many."""
+        with self._cond:
+            self._aborts.update(self._active)
+            self._cond.notify()
+            return len(self._active)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended."""
+        with self._cond:
+            return len(self._active)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Abort what is in flight, let the loop hand the aborted samples back, and end the thread."""
+        self.abort_all()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._ended.wait(timeout_s)
+
+    # ---- the loop's thread ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until ``stop()`` (and what is in flight has been handed back) or a failure on the ranks."""
+        try:
+            self._serve()
+        finally:
+            self._ended.set()
+
+    def _serve(self) -> None:
+        self.engine._enter_compute_thread()
+        while True:
+            with self._cond:
+                while not (self._pending or self._aborts or self._active or self._stopping):
+                    self._cond.wait(0.5)  # a timeout: a signal handler of the main thread gets to run
+                if self._stopping and not self._active and not self._pending:
+                    return
+                batch, self._pending = self._pending, []
+                aborts, self._aborts = sorted(self._aborts), set()
+            records = [RequestRecord.of(r) for r, _ in batch]
+            try:
+                out, version = self.engine._poll_ranks(records, aborts, self.poll_steps)
+            except BaseException as error:  # noqa: BLE001 - every handle in flight hears it
+                with self._cond:
+                    self.error = error
+                    handles = set(self._active.values()) | {h for _, h in batch}
+                    self._active.clear()
+                for h in handles:
+                    h._fail(error)
+                return
+            self._deliver(out, batch, version)
+
+    def _deliver(self, out, batch: list, version: int) -> None:
+        results, progress, steps, switches, decisions, state, refused = out
+        self.log.add(steps, switches, decisions)
+        self.log.state = state
+        refused_handles = {}
+        for rid, pages in refused:
+            with self._cond:
+                handle = self._active.pop(rid, None)
+            if handle is not None:
+                refused_handles[handle] = pages
+        for handle, pages in refused_handles.items():
+            with self._cond:
+                for rid in handle.request_ids:
+                    self._active.pop(rid, None)
+            handle._fail(ValueError(
+                f"prompts[0]: needs {pages} KV pages (prompt + max_new_tokens), more than one rank's pool holds in "
+                f"any layout this engine may use; lower max_new_tokens or raise memory.memory_budget_gib / "
+                f"memory.num_pages"))
+        for _, handle in batch:
+            if handle not in refused_handles:
+                handle._admit()
+        for rid, (start, tokens, logprobs) in progress.items():
+            handle = self._active.get(rid)
+            if handle is not None:
+                handle._progress(rid, start, tokens, logprobs, version)
+        for res in results:
+            with self._cond:
+                handle = self._active.pop(res.request_id, None)
+            if handle is not None:
+                self.tokens_out += len(res.output_ids)
+                handle._finish(res, version)
+
+
+def sample_group(index: int, requests: list[Request], results: dict[int, RequestResult],
+                 versions: list[list[int]], version: int) -> SampleGroup:
+    """A handle's group from its requests' results, each token's weight version and the version the
+    group finished under (each sample's ``weight_version``)."""
+    samples = []
+    for r, v in zip(requests, versions):
+        res = results[r.request_id]
+        samples.append(Sample(list(r.prompt_ids), list(res.output_ids), list(res.output_logprobs), res.finish_reason,
+                              r.spec.seed, version, list(v), r.spec, res.routing))
+    return SampleGroup(index, samples)
+
+
+__all__ = ["RequestHandle", "ServingLoop", "TokenDelta", "sample_group", "worker_serve_async"]
