@@ -21,15 +21,11 @@ from splash_rollout.recipes.grpo.tool_env import CalculatorEnv, ToolConfig
 from splash_rollout.recipes.grpo.trainer import TrainerConfig
 from splash_rollout.models.config import PRESETS, resolve_model
 from splash_rollout.models.model import MLAForCausalLM
-from splash_rollout.rollout.config import EngineConfig
+from splash_rollout.recipes.engine_config import engine_config, model_source
 from splash_rollout.rollout.engine import RolloutEngine
 
 OVERLONG = ("keep", "mask", "penalty")
 KL_PLACES = ("loss", "reward")
-
-
-def model_source(cfg: DictConfig) -> str:
-    return cfg.model.path or cfg.model.name
 
 
 def build_policy(cfg: DictConfig) -> MLAForCausalLM:
@@ -58,21 +54,9 @@ def load_reference(path: str, like: torch.nn.Module, dtype: str) -> torch.nn.Mod
 
 
 def build_engine(cfg: DictConfig) -> RolloutEngine:
-    """The engine the recipe's ``engine`` group describes: one mapping per EngineConfig group (null
-    keeps the engine's default); the model's source, dtype and tokenizer, the seed, the device and
-    routing capture come from the recipe's model, seed, hardware and grpo groups."""
-    e = cfg.engine
-
-    def group(name: str, **given) -> dict:
-        """The recipe's ``engine.<name>`` fields, with ``given`` added from the other groups."""
-        return {**(OmegaConf.to_container(e[name]) if e.get(name) is not None else {}), **given}
-
-    return RolloutEngine(EngineConfig(
-        model=group("model", source=model_source(cfg), dtype=cfg.model.dtype, seed=cfg.seed,
-                    tokenizer=cfg.model.tokenizer),
-        parallel=group("parallel", device=cfg.hardware.device), memory=group("memory"), batching=group("batching"),
-        policy=group("policy"), driver=group("driver"), pricing=group("pricing"), compute=group("compute"),
-        outputs=group("outputs", return_routing=bool(cfg.grpo.routing_replay))))  # the trainer replays it
+    """The engine the recipe's ``engine`` group describes (``recipes/engine_config.py``); routing
+    capture comes from the grpo group (the trainer replays it)."""
+    return RolloutEngine(engine_config(cfg, outputs={"return_routing": bool(cfg.grpo.routing_replay)}))
 
 
 def build_engine_with_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], version: int = 0) -> RolloutEngine:

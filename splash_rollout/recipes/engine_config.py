@@ -1,0 +1,33 @@
+"""The composed Hydra config's ``engine`` group (plus the model, seed and hardware groups) as an EngineConfig.
+
+One mapping for every entry that builds an engine from ``conf/``: the GRPO recipe
+(``recipes/grpo/build.py``) and the server (``python -m splash_rollout.serve``). Each
+``engine.<group>`` mapping is one EngineConfig group (null keeps the engine's default); the model's
+source, dtype and tokenizer, the seed and the device come from the model, seed and hardware groups.
+"""
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from splash_rollout.rollout.config import GROUPS, EngineConfig
+
+
+def model_source(cfg: DictConfig) -> str:
+    """``model.path`` (a checkpoint folder) when set, else the preset ``model.name``."""
+    return cfg.model.path or cfg.model.name
+
+
+def engine_config(cfg: DictConfig, **given: dict) -> EngineConfig:
+    """The EngineConfig ``cfg`` describes; ``given``: fields a caller sets per group
+    (``outputs={"return_routing": True}``), over the ``engine`` group's."""
+    e = cfg.engine
+
+    def group(name: str, **fields) -> dict:
+        return {**(OmegaConf.to_container(e[name]) if e.get(name) is not None else {}), **fields,
+                **given.get(name, {})}
+
+    return EngineConfig(**{
+        name: group(name, **({"source": model_source(cfg), "dtype": cfg.model.dtype, "seed": cfg.seed,
+                              "tokenizer": cfg.model.tokenizer} if name == "model" else
+                             {"device": cfg.hardware.device} if name == "parallel" else {}))
+        for name in GROUPS})

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``python -m splash_rollout.serve``; the ``serve`` extra)."""
