@@ -80,6 +80,7 @@ class RolloutEngine:
             self._host = SpawnedHost(t, config.parallel.rank_timeout_s, config.parallel.device)
         try:
             built = self._on_ranks(worker_build, config)
+            self._host.after_build()
         except BaseException:
             self._host.shutdown(force=True)
             raise

@@ -118,6 +118,9 @@ class LocalHost:
     def after_failure(self) -> None:
         """Nothing to stop: the ranks are the caller's."""
 
+    def after_build(self) -> None:
+        """The process is the caller's: its collector is the caller's to tune."""
+
     def run(self, fn, *args) -> Any:
         """``fn(ctx, *args)`` here; every rank returns rank 0's result."""
         result = fn(self.ctx, *args)
@@ -155,6 +158,10 @@ class SpawnedHost:
     def run(self, fn, *args, timeout_s: float | None = None) -> Any:
         return self.group.run(fn, *args, timeout_s=timeout_s)[0]
 
+    def after_build(self) -> None:
+        """The ranks' processes hold only their engines: what exists now stays (``freeze_heap``)."""
+        self.group.run(worker_freeze_heap)
+
     def push_weights(self, named: dict, bucket_bytes: int) -> None:
         """Each rank receives only its own parts of the push (asked of it first: they follow its
         current layout), in buckets of at most ``bucket_bytes``."""
@@ -191,6 +198,12 @@ def worker_build(ctx, config) -> dict:
     engine = build_engine(config, ctx.groups, heartbeat=ctx.heartbeat, should_abort=ctx.interrupted)
     ctx.state["engine"] = engine
     return {"num_pages": engine.state.pool.num_pages, "full_shapes": engine.full_shapes, **engine.resident_bytes()}
+
+
+def worker_freeze_heap(ctx) -> None:
+    from splash_rollout.rollout.process_settings import freeze_heap
+
+    freeze_heap()
 
 
 def worker_serve(ctx, records: list[RequestRecord], progress: bool = False):

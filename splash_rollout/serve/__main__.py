@@ -41,11 +41,13 @@ def run(cfg: DictConfig) -> None:
                                   f"installed): pip install \"splash_rollout[serve]\"", name=e.name) from e
     from splash_rollout.recipes.engine_config import engine_config
     from splash_rollout.rollout.engine import RolloutEngine
+    from splash_rollout.rollout.process_settings import freeze_heap
     from splash_rollout.serve.app import drain, make_app
 
     config = serve_config(cfg)
     engine = RolloutEngine(engine_config(cfg))
     app = make_app(engine, config)
+    freeze_heap()  # this process holds only the server: see process_settings
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            timeout_graceful_shutdown=max(1, int(config.drain_timeout_s) + 5)))
     http = threading.Thread(target=server.run, name="splash-http", daemon=True)
