@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from splash_rollout.serve.metrics import RequestLatency
 from splash_rollout.serve.protocol import (BadRequest, Sampling, chat_logprobs, check_model, completion_logprobs,
                                            new_id, now, parse_messages, parse_prompts, parse_sampling, to_json_body,
                                            usage)
@@ -128,6 +129,7 @@ class Server:
         self.started = now()
         self.requests_total = {"ok": 0, "bad": 0, "error": 0}
         self.draining = False
+        self.latency = RequestLatency()
 
     @property
     def tokenizer(self):
@@ -159,10 +161,12 @@ class Server:
                 raise refuse(i, e) from None
         return handles
 
-    async def _follow(self, handles: list, sampling: Sampling, on_delta=None) -> list[list[dict]]:
+    async def _follow(self, handles: list, sampling: Sampling, started: float, on_delta=None) -> list[list[dict]]:
         """Every sample of every handle to its end, texts cut at stop strings (an aborted sample whose
-        text stopped reads ``stop``); ``on_delta(choice, text, ids, logprobs, finish)`` sees the pieces."""
+        text stopped reads ``stop``); ``on_delta(choice, text, ids, logprobs, finish)`` sees the pieces.
+        The request's latencies, from ``started`` (perf_counter), go to the metrics."""
         n = sampling.params.n
+        first_token = [True]
         streams = [[TextStream(self.tokenizer, sampling.stop, incremental=on_delta is not None) for _ in range(n)]
                    for _ in handles]
         finish: list[list[str | None]] = [[None] * n for _ in handles]
@@ -172,6 +176,9 @@ class Server:
                 s = streams[i][d.sample]
                 if s.stopped:
                     continue
+                if first_token[0] and d.token_ids:
+                    first_token[0] = False
+                    self.latency.first_token(time.perf_counter() - started)
                 text = s.push(d.token_ids, d.logprobs)
                 if s.stopped:
                     finish[i][d.sample] = "stop"
@@ -184,16 +191,18 @@ class Server:
                     await on_delta(i * n + d.sample, text, d.token_ids, d.logprobs, finish[i][d.sample])
 
         await asyncio.gather(*(follow(i, h) for i, h in enumerate(handles)))
+        self.latency.finished(time.perf_counter() - started)
         return [[{"stream": streams[i][j], "finish_reason": finish[i][j] or "abort",
                   "prompt_ids": handles[i].requests[j].prompt_ids} for j in range(n)] for i in range(len(handles))]
 
     async def completions(self, body: dict) -> dict | AsyncIterator[str]:
+        started = time.perf_counter()
         check_model(body, self.model_name)
         sampling = parse_sampling(body, self.config.max_tokens, chat=False)
         handles = await self.submit_all(parse_prompts(body), sampling)
         if sampling.stream:
-            return self._stream(handles, sampling, chat=False)
-        out = await self._follow(handles, sampling)
+            return self._stream(handles, sampling, started, chat=False)
+        out = await self._follow(handles, sampling, started)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, samples in enumerate(out):
             prompt_tokens += len(samples[0]["prompt_ids"])
@@ -216,6 +225,7 @@ class Server:
         return response
 
     async def chat(self, body: dict) -> dict | AsyncIterator[str]:
+        started = time.perf_counter()
         check_model(body, self.model_name)
         sampling = parse_sampling(body, self.config.max_tokens, chat=True)
         messages = parse_messages(body)
@@ -225,8 +235,8 @@ class Server:
             raise BadRequest(str(e), "messages") from None
         handles = await self.submit_all([ids], sampling)
         if sampling.stream:
-            return self._stream(handles, sampling, chat=True)
-        out = await self._follow(handles, sampling)
+            return self._stream(handles, sampling, started, chat=True)
+        out = await self._follow(handles, sampling, started)
         choices = []
         for j, s in enumerate(out[0]):
             stream = s["stream"]
@@ -242,7 +252,7 @@ class Server:
             response["prompt_token_ids"] = list(ids)
         return response
 
-    async def _stream(self, handles: list, sampling: Sampling, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, handles: list, sampling: Sampling, started: float, chat: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per piece of a sample, then ``[DONE]``."""
         queue: asyncio.Queue = asyncio.Queue()
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
@@ -253,12 +263,12 @@ class Server:
 
         async def run():
             try:
-                await self._follow(handles, sampling, on_delta)
+                await self._follow(handles, sampling, started, on_delta)
             finally:
                 await queue.put(None)
 
         task = asyncio.ensure_future(run())
-        started = set()
+        role_sent = set()
         try:
             while True:
                 item = await queue.get()
@@ -267,9 +277,9 @@ class Server:
                 index, text, ids, logprobs, finish = item
                 if chat:
                     delta = {"content": text}
-                    if index not in started:
+                    if index not in role_sent:
                         delta["role"] = "assistant"
-                        started.add(index)
+                        role_sent.add(index)
                     choice = {"index": index, "delta": delta, "finish_reason": finish,
                               "logprobs": chat_logprobs([self.tokenizer.decode([t]) for t in ids], logprobs)
                               if sampling.logprobs else None}

@@ -4,11 +4,34 @@ Gauges come from the serving loop's view after its last poll (running and queued
 in use, cached and in all per rank, the current layout); counters from what the loop and the server
 have counted since they started (steps, switches, generated tokens, prompt tokens taken from the
 prefix cache, requests by outcome); ``splash_tokens_per_second`` is the rate over the loop's last
-64 steps. Rendered with prometheus-client's exposition format (the ``serve`` extra).
+64 steps; histograms of each completed request's time to first token and end-to-end latency, as the
+server saw them (from the request's body read to its first token / its last). Rendered with
+prometheus-client's exposition format (the ``serve`` extra).
 """
 from __future__ import annotations
 
 RECENT_STEPS = 64
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RequestLatency:
+    """Per-request latency histograms kept for the server's life (the rest of ``/metrics`` is read
+    from the engine at scrape time)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.registry = CollectorRegistry()
+        self._ttft = Histogram("splash_time_to_first_token_seconds", "Request received to its first token",
+                               buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self._e2e = Histogram("splash_e2e_request_latency_seconds", "Request received to its last token",
+                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def finished(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
 
 
 def render_metrics(server) -> bytes:
@@ -52,4 +75,4 @@ def render_metrics(server) -> bytes:
     requests = Counter("splash_http_requests", "HTTP requests by outcome", ["outcome"], registry=registry)
     for outcome, n in server.requests_total.items():
         requests.labels(outcome=outcome).inc(n)
-    return generate_latest(registry)
+    return generate_latest(registry) + generate_latest(server.latency.registry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -151,10 +152,14 @@ def test_chat_and_streaming(served):
 def test_models_health_metrics_timeline(served):
     url, client, _ = served
     assert [m.id for m in client.models.list().data] == ["glm5-nano"]
+    client.completions.create(model="glm5-nano", prompt=[3, 4, 5], max_tokens=3, extra_body={"ignore_eos": True})
     metrics = httpx.get(f"{url}/metrics").text
     for name in ("splash_requests_running", "splash_kv_pages_used", "splash_layout", "splash_tokens_per_second",
                  "splash_generated_tokens_total", "splash_prefix_cache_hit_tokens_total"):
         assert name in metrics, name
+    value = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(splash_\w+(?:_count|_sum))\s+(\S+)$", metrics, re.M)}
+    for name in ("splash_time_to_first_token_seconds", "splash_e2e_request_latency_seconds"):
+        assert value[f"{name}_count"] >= 1 and value[f"{name}_sum"] > 0, name  # the completion above, at least
     assert "phases" in httpx.get(f"{url}/timeline").json()
 
 
