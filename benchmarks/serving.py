@@ -51,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -315,13 +316,13 @@ class ServerProcess:
         self._log.close()
 
 
-def our_overrides(ckpt: str, dtype: str, port: int, prefix_cache: bool) -> list[str]:
+def our_overrides(ckpt: str, dtype: str, port: int, prefix_cache: bool, extra: Sequence[str] = ()) -> list[str]:
     """``python -m splash_rollout.serve`` overrides: the checkpoint on one rank (T = 1: fastest on two
-    cores, see peer_engines.py), the engine's defaults otherwise."""
+    cores, see peer_engines.py), the engine's defaults otherwise; ``extra`` (``--ours-override``) last."""
     return [f"model.path={ckpt}", f"model.dtype={dtype}", f"serve.port={port}", "serve.log_level=warning",
             "engine.parallel.world_size=1", "engine.parallel.layout=tp", f"engine.model.max_model_len={MAX_MODEL_LEN}",
-            f"engine.memory.memory_budget_gib={OUR_KV_GIB}", "engine.batching.max_num_batched_tokens=512",
-            "engine.compute.numerics=fast", f"engine.memory.prefix_cache={str(prefix_cache).lower()}"]
+            f"engine.memory.memory_budget_gib={OUR_KV_GIB}", "engine.compute.numerics=fast",
+            f"engine.memory.prefix_cache={str(prefix_cache).lower()}", *extra]
 
 
 def start_server(arm: str, args, ckpt: str, work: str, tag: str, envs: dict) -> ServerProcess:
@@ -332,7 +333,7 @@ def start_server(arm: str, args, ckpt: str, work: str, tag: str, envs: dict) -> 
                 "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--max-num-seqs", "256",
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench"]
         return ServerProcess(arm, argv, envs["vllm"], (), stem, port, "bench")
-    argv = [sys.executable, "-m", "splash_rollout.serve", *our_overrides(ckpt, args.dtype, port, arm != "ours_nocache"),
+    argv = [sys.executable, "-m", "splash_rollout.serve", *our_overrides(ckpt, args.dtype, port, arm != "ours_nocache", args.ours_override),
             "serve.served_model_name=bench"]
     return ServerProcess(arm, argv, envs["ours"], envs["ours_remove"], stem, port, "bench")
 
@@ -455,7 +456,7 @@ def run_round(r: int, arms: list[str], parts: list[str], args, o: dict, ckpt: st
             if "concurrency" in wanted:
                 prompts, new = traces["concurrency"]["prompts"], o["concurrent_new"]
                 warm_prompts = traces["concurrency"]["warm_prompts"]
-                spec = {"overrides": [x for x in our_overrides(ckpt, args.dtype, 0, True) if not x.startswith("serve.")],
+                spec = {"overrides": [x for x in our_overrides(ckpt, args.dtype, 0, True, args.ours_override) if not x.startswith("serve.")],
                         "prompts": prompts, "warm_prompts": warm_prompts, "new": new, "seed": args.seed * 1000}
                 first = "http" if r % 2 == 0 else "generate"
                 for which in ([first, "generate" if first == "http" else "http"]):
@@ -554,6 +555,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tcmalloc", default=pe.TCMALLOC)
     ap.add_argument("--work-dir", default="/tmp/serving_bench")
     ap.add_argument("--json", required=False)
+    ap.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Hydra override for our server (repeatable), after the benchmark's own")
     for key, value in DEFAULTS.items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
                         help=f"default {value} (quick: {QUICK[key]})")
@@ -620,7 +623,7 @@ def main(argv=None) -> dict:
            "settings": {**{k: v for k, v in o.items()}, "arms": arms, "parts": parts, "rounds": args.rounds,
                         "dtype": args.dtype, "threads": args.threads, "splash_env": args.splash_env,
                         "max_model_len": MAX_MODEL_LEN, "vllm_kvcache_gib": VLLM_KVCACHE_GIB,
-                        "our_kv_gib": OUR_KV_GIB, "checkpoint": ckpt},
+                        "our_kv_gib": OUR_KV_GIB, "ours_overrides": args.ours_override, "checkpoint": ckpt},
            "envs": envs, "rounds": {}, "failures": []}
 
     def save():
