@@ -50,6 +50,12 @@ class ModelOptions:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
 
+    def tokenizer_source(self) -> str:
+        """Where string prompts' tokenizer comes from: ``tokenizer``, else the checkpoint folder or preset."""
+        if self.tokenizer is not None:
+            return os.fspath(self.tokenizer)
+        return self.source.name if isinstance(self.source, ModelConfig) else os.fspath(self.source)
+
 
 @dataclass(frozen=True)
 class ParallelOptions:

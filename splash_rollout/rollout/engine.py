@@ -123,10 +123,7 @@ class RolloutEngine:
         if self._tokenizer is None:
             from splash_rollout.models.tokenizer import load_tokenizer
 
-            model = self.config.model
-            source = model.tokenizer or (model.source if not isinstance(model.source, ModelConfig)
-                                         else self.model_config.name)
-            self._tokenizer = load_tokenizer(os.fspath(source))
+            self._tokenizer = load_tokenizer(self.config.model.tokenizer_source())
         return self._tokenizer
 
     # ---- generate ------------------------------------------------------------------------------

@@ -1,0 +1,401 @@
+"""A fleet: R engine replicas placed by Ray, one entry point, one weight push, and lost replicas that lose no request.
+
+Why: an RL step's thousands of prompts are spread over many engines, each spanning one node's
+devices (where the attention layouts switch over the fast links); the frameworks our users come
+from place such engines with Ray. Here each replica is a Ray actor (``replica.Replica``) holding a
+``RolloutEngine`` of T ranks, in a placement group of its own: one bundle of T ranks' resources
+(``{"GPU": T, "CPU": T}`` on GPUs, ``{"CPU": T * cpus_per_rank}`` on a CPU machine), so a replica
+never straddles nodes. The engine spawns its ranks inside the actor, on that node.
+
+One entry point: ``submit`` / ``agenerate`` / ``generate`` take prompts one at a time or as a
+batch; each prompt's group of ``n`` samples goes to one replica, chosen by ``placement.Placement``
+(the replica that caches its prefix, unless that one is busy; else the least loaded). Each replica
+runs its own layout policy on its own batch.
+
+Seeds: a prompt without ``sampling.seed`` gets one here (from the fleet's seed and a counter) before
+it is placed, so the samples depend on the seed alone -- the same on any replica, and the same
+again when a lost replica's requests are resubmitted. A replica is lost when a call to it fails
+because its actor died, or when it does not answer the health check within
+``health_timeout_s``; it is killed, its placement group freed, and every request it held is sent to
+another replica (``resubmit=True``) or ends with ``ReplicaLost`` naming it. Each request is returned
+exactly once: its future is completed by the one coroutine that owns it.
+
+Every piece of fleet state (placement, replicas, counters) is touched only by the fleet's own
+asyncio loop, a thread of the calling process; the sync and async APIs hand their work to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from splash_rollout.fleet.placement import Placement, PlacementOptions
+from splash_rollout.rollout.config import EngineConfig
+from splash_rollout.rollout.types import SampleGroup, SamplingParams
+
+
+def _ray():
+    try:
+        import ray
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError('splash_rollout.fleet needs Ray: pip install "splash_rollout[ray]"',
+                                  name=e.name) from e
+    return ray
+
+
+class ReplicaLost(RuntimeError):
+    """A request's replica was lost and the fleet does not resubmit (``resubmit=False``)."""
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """How many replicas, where, and what happens when one is lost."""
+
+    replicas: int = 2
+    """R: engines of ``EngineConfig.parallel.world_size`` ranks each."""
+    ray_address: str | None = None
+    """A running Ray cluster (``"auto"``, ``"ray://host:10001"``, ...); None: the cluster this process
+    is already connected to, else a local one started here (and stopped with the fleet)."""
+    cpus_per_rank: int = 1
+    """CPUs each rank reserves (with one GPU each when the engine runs on CUDA)."""
+    resubmit: bool = True
+    """A lost replica's requests go to the others (same seeds: the same samples); False: they end
+    with ``ReplicaLost``."""
+    health_interval_s: float = 5.0
+    """How often every replica is asked for its info (its liveness check)."""
+    health_timeout_s: float | None = None
+    """A replica that does not answer within this is lost; None: ``EngineConfig.parallel.rank_timeout_s``."""
+    start_timeout_s: float = 600.0
+    """A replica's placement group and engine must be ready within this."""
+    seed: int | None = None
+    """Seeds of prompts sampled without one; None: ``EngineConfig.model.seed``."""
+    placement: PlacementOptions = field(default_factory=PlacementOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "cpus_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"fleet.{name}: expected an integer >= 1, got {value!r}")
+        for name in ("health_interval_s", "start_timeout_s", "health_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"fleet.{name}: expected seconds > 0, got {value!r}")
+        if isinstance(self.placement, dict):
+            object.__setattr__(self, "placement", PlacementOptions(**self.placement))
+
+
+class FleetRequest:
+    """One prompt's group in a fleet: ``result()`` blocks, ``await`` awaits; ``replica`` is the replica
+    serving it (the last one tried)."""
+
+    def __init__(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        self.prompt_ids, self.sampling = prompt_ids, sampling
+        self.replica: int | None = None
+        self.attempts = 0
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def result(self, timeout: float | None = None) -> SampleGroup:
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def __await__(self):
+        return asyncio.wrap_future(self.future).__await__()
+
+
+@dataclass
+class _Member:
+    actor: Any
+    group: Any
+    """Its placement group."""
+
+
+class Fleet:
+    """R replicas behind one API. ``Fleet(EngineConfig(...), FleetOptions(replicas=2))``; use as a
+    context manager or call ``shutdown()``."""
+
+    def __init__(self, config: EngineConfig, options: FleetOptions = FleetOptions()) -> None:
+        ray = _ray()
+        self.config, self.options = config, options
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False)
+        self._health_timeout_s = options.health_timeout_s or config.parallel.rank_timeout_s
+        self.placement = Placement(options.placement)
+        self._members: dict[int, _Member] = {}
+        self._next_index = 0
+        self._seed_counter = 0
+        self._weights: tuple[Any, int] | None = None
+        """The last push (object reference, version): what a replica that joins gets first."""
+        self.weight_version = 0
+        self.lost: list[dict] = []
+        """Each replica lost so far: index, why, when, requests resubmitted."""
+        self._tokenizer = None
+        self._closed = False
+        self._health: concurrent.futures.Future | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="splash-fleet", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start(options.replicas))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._health = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
+
+    # ---- the API ------------------------------------------------------------------------------------
+    def submit(self, prompt, sampling: SamplingParams | None = None) -> FleetRequest:
+        """One prompt (token ids or text) and its ``n`` samples, placed on a replica at once."""
+        if self._closed:
+            raise RuntimeError("fleet: shut down")
+        request = FleetRequest(self._prompt_ids(prompt), sampling or SamplingParams())
+        asyncio.run_coroutine_threadsafe(self._seed_and_serve(request), self._loop)
+        return request
+
+    async def agenerate(self, prompt, sampling: SamplingParams | None = None) -> SampleGroup:
+        return await self.submit(prompt, sampling)
+
+    def generate(self, prompts: Sequence[Any] | str, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 timeout_s: float | None = None) -> list[SampleGroup]:
+        """Every prompt's group, in prompt order (``prompt_index`` is its position here)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(params)}")
+        requests = [self.submit(p, s) for p, s in zip(prompts, params)]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        groups = []
+        for i, r in enumerate(requests):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            groups.append(dataclasses.replace(r.result(left), prompt_index=i))
+        return groups
+
+    def update_weights(self, named_tensors: dict, version: int | None = None) -> int:
+        """Full weights to every replica, put in Ray's object store once. Each replica validates the
+        push before it changes a weight, so a bad push (a name, shape or dtype; a NaN) is refused by
+        all alike and the old weights keep serving. Replicas that join later get the last push first.
+        Returns the version now stamped on tokens."""
+        ray = _ray()
+        version = self.weight_version + 1 if version is None else version
+        ref = ray.put({k: v.detach().cpu() for k, v in named_tensors.items()})
+        self._call(self._push(ref, version))
+        self._weights, self.weight_version = (ref, version), version
+        return version
+
+    def add_replica(self) -> int:
+        """Start one more replica (it gets the last weight push before it takes requests); its index."""
+        return self._call(self._start(1))[0]
+
+    def info(self) -> list[dict]:
+        """Per live replica: index, pid, weight version, groups served, in flight, cached tokens."""
+        return self._call(self._gather("info"))
+
+    def timelines(self) -> dict[int, dict]:
+        """Per live replica, the layout timeline of what it served."""
+        return {t["replica"]: t for t in self._call(self._gather("timeline", tag=True))}
+
+    def replica_actor(self, index: int):
+        """The Ray actor of replica ``index`` (to inspect or kill it)."""
+        return self._members[index].actor
+
+    @property
+    def replicas(self) -> list[int]:
+        return sorted(self._members)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ray = _ray()
+        if self._loop.is_running():
+            try:
+                self._call(self._stop_all(), timeout_s=120)
+            except Exception as e:  # noqa: BLE001 - shutting down: say it and go on
+                warnings.warn(f"fleet shutdown: {e}", RuntimeWarning, stacklevel=2)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- the fleet's loop ---------------------------------------------------------------------------
+    def _call(self, coro, timeout_s: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self._tokenizer is None:
+                from splash_rollout.models.tokenizer import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.config.model.tokenizer_source())
+            return list(self._tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt: expected a string or a non-empty list of token ids (int)")
+        return ids
+
+    async def _seed_and_serve(self, request: FleetRequest) -> None:
+        if request.sampling.seed is None:
+            from splash_rollout.rollout.engine import derive_seed
+
+            base = self.options.seed if self.options.seed is not None else self.config.model.seed
+            request.sampling = dataclasses.replace(request.sampling, seed=derive_seed(base, self._seed_counter, 3))
+            self._seed_counter += 1
+        try:
+            group = await self._serve(request)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the request
+            request.future.set_exception(e)
+        else:
+            request.future.set_result(group)
+
+    async def _serve(self, request: FleetRequest) -> SampleGroup:
+        lost_errors = _lost_errors()
+        n = request.sampling.n
+        while True:
+            replica = self.placement.pick(request.prompt_ids)
+            request.replica, request.attempts = replica, request.attempts + 1
+            self.placement.started(replica, request.prompt_ids, n)
+            try:
+                return await self._members[replica].actor.generate.remote(request.prompt_ids, request.sampling)
+            except lost_errors as e:
+                self._lose(replica, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+                if not self.options.resubmit:
+                    raise ReplicaLost(f"replica {replica} was lost while serving this request ({e}); "
+                                      f"resubmit is off") from e
+            finally:
+                self.placement.ended(replica, n)
+
+    def _lose(self, replica: int, why: str) -> None:
+        """Take ``replica`` out: no request goes to it again, its actor and placement group go."""
+        member = self._members.pop(replica, None)
+        if member is None:
+            return  # another request already saw it go
+        ray = _ray()
+        self.placement.remove(replica)
+        self.lost.append({"replica": replica, "why": why, "at": time.time()})
+        warnings.warn(f"fleet: replica {replica} lost ({why}); its requests "
+                      f"{'go to the others' if self.options.resubmit else 'end with ReplicaLost'}",
+                      RuntimeWarning, stacklevel=2)
+        for undo in (lambda: ray.kill(member.actor, no_restart=True),
+                     lambda: ray.util.remove_placement_group(member.group)):
+            try:
+                undo()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    async def _start(self, count: int) -> list[int]:
+        """``count`` replicas, started side by side; each is in ``placement`` once its engine is built
+        and holds the last weight push."""
+        ray = _ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from splash_rollout.fleet.replica import Replica
+
+        t = self.config.parallel.world_size
+        gpu = self.config.parallel.device.startswith("cuda")
+        bundle = {"CPU": t * self.options.cpus_per_rank, **({"GPU": t} if gpu else {})}
+        started = []
+        for _ in range(count):
+            index, self._next_index = self._next_index, self._next_index + 1
+            group = placement_group([bundle], strategy="STRICT_PACK", name=f"splash-replica-{index}-{id(self)}")
+            actor = ray.remote(Replica).options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=10_000,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            ).remote(self.config, index)
+            self._members[index] = _Member(actor, group)
+            started.append(index)
+
+        async def ready(index: int) -> None:
+            member = self._members[index]
+            try:
+                await asyncio.wait_for(member.group.ready(), self.options.start_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"fleet: replica {index} needs {bundle} on one node; the cluster had no room "
+                                   f"within {self.options.start_timeout_s} s (available: "
+                                   f"{ray.available_resources()})") from None
+            try:
+                await asyncio.wait_for(member.actor.info.remote(), self.options.start_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"fleet: replica {index}'s engine was not built within "
+                                   f"{self.options.start_timeout_s} s") from None
+            if self._weights is not None:
+                await member.actor.update_weights.remote(*self._weights)
+
+        results = await asyncio.gather(*(ready(i) for i in started), return_exceptions=True)
+        failed = [(i, r) for i, r in zip(started, results) if isinstance(r, BaseException)]
+        for i, _ in failed:
+            self._lose(i, "it did not start")
+        if failed:
+            raise RuntimeError(f"fleet: replica {failed[0][0]} did not start: {failed[0][1]}") from failed[0][1]
+        for i in started:
+            self.placement.add(i)
+        return started
+
+    async def _push(self, ref, version: int) -> None:
+        lost_errors = _lost_errors()
+        members = list(self._members.items())
+        results = await asyncio.gather(*(m.actor.update_weights.remote(ref, version) for _, m in members),
+                                       return_exceptions=True)
+        for (index, _), r in zip(members, results):
+            if isinstance(r, lost_errors):
+                self._lose(index, f"lost during a weight push: {type(r).__name__}")
+        refused = [r for r in results if isinstance(r, BaseException) and not isinstance(r, lost_errors)]
+        if refused:
+            raise refused[0]
+
+    async def _gather(self, method: str, tag: bool = False) -> list:
+        members = list(self._members.items())
+        out = await asyncio.gather(*(getattr(m.actor, method).remote() for _, m in members), return_exceptions=True)
+        rows = []
+        for (index, _), r in zip(members, out):
+            if isinstance(r, BaseException):
+                continue
+            rows.append({**r, "replica": index} if tag else r)
+        return rows
+
+    async def _watch(self) -> None:
+        """The health check: every replica answers ``info`` within the timeout, or is lost."""
+        lost_errors = _lost_errors()
+        while True:
+            await asyncio.sleep(self.options.health_interval_s)
+            for index, member in list(self._members.items()):
+                try:
+                    await asyncio.wait_for(member.actor.info.remote(), self._health_timeout_s)
+                except asyncio.TimeoutError:
+                    self._lose(index, f"no answer to the health check within {self._health_timeout_s} s")
+                except lost_errors as e:
+                    self._lose(index, type(e).__name__)
+
+    async def _stop_all(self) -> None:
+        ray = _ray()
+        if self._health is not None:
+            self._health.cancel()
+        members = list(self._members.values())
+        self._members.clear()
+        await asyncio.gather(*(asyncio.wait_for(m.actor.shutdown.remote(), 60) for m in members),
+                             return_exceptions=True)
+        for m in members:
+            for undo in (lambda: ray.kill(m.actor, no_restart=True), lambda: ray.util.remove_placement_group(m.group)):
+                try:
+                    undo()
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+
+
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean a replica is gone (not that its request was bad)."""
+    ex = _ray().exceptions
+    return tuple(getattr(ex, name) for name in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+                 if hasattr(ex, name))
