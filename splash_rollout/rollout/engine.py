@@ -9,7 +9,6 @@ business (``rollout/ranks.py``); every method here has one code path.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from typing import Any, Callable, Sequence
