@@ -31,6 +31,11 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+def fleet_replicas(cfg: DictConfig) -> int:
+    fleet = cfg.engine.get("fleet")
+    return int(fleet.replicas) if fleet is not None and fleet.get("replicas") is not None else 1
+
+
 def run_recipe(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
     if "grpo" not in cfg:
         raise ValueError("no recipe selected: add +recipe=grpo_glm5")
@@ -55,7 +60,7 @@ def launch(cfg: DictConfig, run_dir: str):
     if under_torchrun():
         return run_recipe(cfg, run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     world_size = int(cfg.engine.parallel.world_size)
-    if world_size == 1:
+    if world_size == 1 or fleet_replicas(cfg) > 1:  # a fleet's replicas spawn their own ranks
         return run_recipe(cfg, run_dir, 0, 1)
 
     mp.spawn(_spawned_rank, args=(cfg, run_dir, world_size, free_port()), nprocs=world_size, join=True)

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from splash_rollout.fleet.placement import Placement, PlacementOptions
 from splash_rollout.rollout.config import EngineConfig
-from splash_rollout.rollout.types import SampleGroup, SamplingParams
+from splash_rollout.rollout.types import RolloutBatch, SampleGroup, SamplingParams, Timeline
 
 
 def _ray():
@@ -162,19 +162,32 @@ class Fleet:
         return await self.submit(prompt, sampling)
 
     def generate(self, prompts: Sequence[Any] | str, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 timeout_s: float | None = None) -> list[SampleGroup]:
-        """Every prompt's group, in prompt order (``prompt_index`` is its position here)."""
+                 timeout_s: float | None = None, **streaming) -> RolloutBatch:
+        """Every prompt's group, in prompt order (``prompt_index`` is its position here), as
+        ``RolloutEngine.generate`` returns them; ``timeline`` holds each replica's phases, switches and
+        decisions of this call, each tagged with its ``replica``."""
+        if streaming:
+            raise ValueError(f"fleet.generate: {', '.join(sorted(streaming))} (streaming, over-sampling, partial "
+                             f"rollout) run on one engine only for now")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(params)}")
+        marks = {row["replica"]: row["mark"] for row in self._call(self._gather("mark", tag=True))}
         requests = [self.submit(p, s) for p, s in zip(prompts, params)]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         groups = []
         for i, r in enumerate(requests):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             groups.append(dataclasses.replace(r.result(left), prompt_index=i))
-        return groups
+        timelines = self._call(self._timelines_since(marks))
+        merged = Timeline(**{key: [row for _, t in timelines for row in t[key]]
+                             for key in ("phases", "switches", "decisions", "speculation")})
+        served = [r.replica for r in requests]
+        metrics = {"fleet/replicas": float(len(self._members)), "fleet/replicas_lost": float(len(self.lost)),
+                   "fleet/resubmitted": float(sum(r.attempts - 1 for r in requests)),
+                   **{f"fleet/replica_{i}/groups": float(served.count(i)) for i in sorted(set(served))}}
+        return RolloutBatch(groups=groups, timeline=merged, metrics=metrics)
 
     def update_weights(self, named_tensors: dict, version: int | None = None) -> int:
         """Full weights to every replica, put in Ray's object store once. Each replica validates the
@@ -183,7 +196,7 @@ class Fleet:
         Returns the version now stamped on tokens."""
         ray = _ray()
         version = self.weight_version + 1 if version is None else version
-        ref = ray.put({k: v.detach().cpu() for k, v in named_tensors.items()})
+        ref = ray.put({k: v.detach().cpu() for k, v in dict(named_tensors).items()})
         self._call(self._push(ref, version))
         self._weights, self.weight_version = (ref, version), version
         return version
@@ -197,8 +210,8 @@ class Fleet:
         return self._call(self._gather("info"))
 
     def timelines(self) -> dict[int, dict]:
-        """Per live replica, the layout timeline of what it served."""
-        return {t["replica"]: t for t in self._call(self._gather("timeline", tag=True))}
+        """Per live replica, the layout timeline of what it served (its last 4,096 steps)."""
+        return dict(self._call(self._timelines_since({})))
 
     def replica_actor(self, index: int):
         """The Ray actor of replica ``index`` (to inspect or kill it)."""
@@ -355,6 +368,12 @@ class Fleet:
         if refused:
             raise refused[0]
 
+    async def _timelines_since(self, marks: dict[int, int]) -> list[tuple[int, dict]]:
+        members = sorted(self._members.items())
+        out = await asyncio.gather(*(m.actor.timeline.remote(marks.get(i, 0)) for i, m in members),
+                                   return_exceptions=True)
+        return [(i, t) for (i, _), t in zip(members, out) if not isinstance(t, BaseException)]
+
     async def _gather(self, method: str, tag: bool = False) -> list:
         members = list(self._members.items())
         out = await asyncio.gather(*(getattr(m.actor, method).remote() for _, m in members), return_exceptions=True)
@@ -362,7 +381,7 @@ class Fleet:
         for (index, _), r in zip(members, out):
             if isinstance(r, BaseException):
                 continue
-            rows.append({**r, "replica": index} if tag else r)
+            rows.append(({**r} if isinstance(r, dict) else {method: r}) | {"replica": index} if tag else r)
         return rows
 
     async def _watch(self) -> None:

@@ -46,14 +46,27 @@ class Replica:
                 "served": self.served, "in_flight": loop.in_flight if loop is not None else 0,
                 "cached_tokens": totals.get("cached_tokens", 0), "prefill_rows": totals.get("prefill_rows", 0)}
 
-    async def timeline(self) -> dict:
-        """The layout timeline of what this replica served so far (``/timeline``'s shape)."""
+    async def mark(self) -> int:
+        """The steps served so far: ``timeline(since=mark)`` is what was served after this."""
+        loop = self.engine._loop
+        return loop.log.total_steps if loop is not None else 0
+
+    async def timeline(self, since: int = 0) -> dict:
+        """The layout timeline of the steps served after ``since`` (a ``mark()``; 0: all still kept),
+        each phase and switch tagged with this replica's index."""
         from splash_rollout.rollout.timeline import build_timeline
 
         loop = self.engine._loop
-        if loop is None:
-            return build_timeline([], [], []).to_dict()
-        return build_timeline(loop.log.steps, loop.log.switches, loop.log.decisions).to_dict()
+        steps = list(loop.log.steps[-(loop.log.total_steps - since):]) if loop is not None and \
+            loop.log.total_steps > since else []
+        first = steps[0]["step"] if steps else None
+        later = (lambda rows: [r for r in rows if first is not None and r.get("step", -1) >= first])
+        timeline = build_timeline(steps, later(loop.log.switches) if loop else [],
+                                  later(loop.log.decisions) if loop else []).to_dict()
+        for key in ("phases", "switches", "decisions"):
+            for row in timeline[key]:
+                row["replica"] = self.index
+        return timeline
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)

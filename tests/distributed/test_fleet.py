@@ -44,10 +44,13 @@ def same_samples(got, want):
 def test_two_replicas_give_one_engines_samples(fleet, reference):
     prompts = [[5 + i, 6, 7, 8] * (2 + i) for i in range(6)]
     params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=100 + i) for i in range(6)]
-    groups = fleet.generate(prompts, params, timeout_s=300)
-    same_samples(groups, reference.generate(prompts, params).groups)
-    assert [g.prompt_index for g in groups] == list(range(6))
+    batch = fleet.generate(prompts, params, timeout_s=300)
+    same_samples(batch.groups, reference.generate(prompts, params).groups)
+    assert [g.prompt_index for g in batch.groups] == list(range(6))
     assert all(row["served"] > 0 for row in fleet.info())  # both replicas took a share
+    assert {p["replica"] for p in batch.timeline.phases} == {0, 1}  # each replica's phases of this call
+    assert sum(p["steps"] for p in batch.timeline.phases) > 0
+    assert batch.metrics["fleet/replica_0/groups"] + batch.metrics["fleet/replica_1/groups"] == 6
 
 
 def test_a_bad_request_gets_the_engines_error_and_the_fleet_serves_on(fleet):
@@ -76,7 +79,7 @@ def test_one_weight_push_reaches_every_replica(fleet, reference):
     named = {k: v.detach() for k, v in MLAForCausalLM.from_config(PRESETS["glm5-nano"], seed=11).state_dict().items()}
     prompts = [[30 + i, 31, 32] * 3 for i in range(4)]
     params = [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=7 + i) for i in range(4)]
-    old = fleet.generate(prompts, params, timeout_s=300)
+    old = fleet.generate(prompts, params, timeout_s=300).groups
     assert fleet.update_weights(named, version=5) == 5
     reference.update_weights(named, version=5)
     requests = [fleet.submit(p, s) for p, s in zip(prompts, params)]

@@ -53,10 +53,33 @@ def load_reference(path: str, like: torch.nn.Module, dtype: str) -> torch.nn.Mod
     return ref.to(next(like.parameters()).device).eval().requires_grad_(False)
 
 
-def build_engine(cfg: DictConfig) -> RolloutEngine:
+def build_engine(cfg: DictConfig):
     """The engine the recipe's ``engine`` group describes (``recipes/engine_config.py``); routing
-    capture comes from the grpo group (the trainer replays it)."""
-    return RolloutEngine(engine_config(cfg, outputs={"return_routing": bool(cfg.grpo.routing_replay)}))
+    capture comes from the grpo group (the trainer replays it). With ``engine.fleet.replicas`` > 1:
+    a ``Fleet`` of that many such engines, placed by Ray (one trainer process drives it)."""
+    config = engine_config(cfg, outputs={"return_routing": bool(cfg.grpo.routing_replay)})
+    fleet = cfg.engine.get("fleet") or {}
+    replicas = int(fleet.get("replicas") or 1)
+    if replicas < 1:
+        raise ValueError(f"engine.fleet.replicas: expected an integer >= 1, got {replicas}")
+    if replicas == 1:
+        return RolloutEngine(config)
+    from splash_rollout.fleet import Fleet, FleetOptions
+
+    return Fleet(config, FleetOptions(replicas=replicas, ray_address=fleet.get("ray_address")))
+
+
+def check_fleet_options(cfg: DictConfig, oversample, partial, tools) -> None:
+    """What a fleet does not run yet, refused before any work, naming the option."""
+    fleet = cfg.engine.get("fleet") or {}
+    if int(fleet.get("replicas") or 1) == 1:
+        return
+    for given, name in ((oversample is not None, "grpo.oversample_groups (over-sampling)"),
+                        (partial is not None, "grpo.partial_rollout"), (tools is not None, "tool (multi-turn)"),
+                        (bool(cfg.engine.sleep_during_train), "engine.sleep_during_train")):
+        if given:
+            raise ValueError(f"engine.fleet.replicas > 1: {name} runs on one engine only for now; "
+                             f"set engine.fleet.replicas=1 or turn it off")
 
 
 def build_engine_with_weights(cfg: DictConfig, weights: dict[str, torch.Tensor], version: int = 0) -> RolloutEngine:

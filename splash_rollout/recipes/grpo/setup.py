@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.recipes.grpo import checkpoint as ckpt
-from splash_rollout.recipes.grpo.build import (build_engine_with_weights, build_policy, eval_config, load_reference,
+from splash_rollout.recipes.grpo.build import (build_engine_with_weights, check_fleet_options, build_policy, eval_config, load_reference,
                                                loss_config, lr_schedule, max_prompt_len, model_source,
                                                oversample_config, partial_rollout_config, sft_config,
                                                supervision_config, tool_env, trainer_config)
@@ -184,6 +184,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
     oversample = oversample_config(cfg)
     tools = tool_env(cfg, tokenizer)  # tool.*: multi-turn rollouts with a calculator (multi_turn.py)
     partial = partial_rollout_config(cfg)
+    check_fleet_options(cfg, oversample, partial, tools)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
                            sft_examples=sft_cfg.steps * sft_cfg.batch_size if do_sft else 0,
                            fresh_prompts=g.steps * (oversample.oversample_groups if oversample else g.prompts_per_step))
