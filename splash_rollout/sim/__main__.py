@@ -1,7 +1,8 @@
 """``python -m splash_rollout.sim``: GPU-scale simulation on the cost model.
 
 Verbs: ``sweep`` (leading fixed layout per input length, paper §5.2), ``drain`` (a draining
-rollout in each fixed layout and adaptively), ``fit`` (θ of a platform fitted to some of the
+rollout in each fixed layout and adaptively), ``fleet`` (the same drain over R replicas, each with
+its share and its own layouts, placed round robin and by load; ``--replicas``), ``fit`` (θ of a platform fitted to some of the
 published sweeps, written as a serving YAML) and ``paper`` (predicted vs measured throughput per
 published point and layout, the chosen layout and its regret). ``--json`` writes the result,
 ``--png`` a figure.
@@ -97,13 +98,15 @@ def _parser() -> argparse.ArgumentParser:
                                                            "(default: the platform's fitted preset)")
             s.add_argument("--eval", default=None, help="comma list of sweeps to report (default: all)")
         s.add_argument("--json", dest="json_out", default=None, help="write the result here ('-': stdout)")
-    for name in ("sweep", "drain"):
+    for name in ("sweep", "drain", "fleet"):
         s = sub.add_parser(name)
         s.add_argument("--hardware", default="b200", help="b200 | h200 | h100 | cpu | b200-paper | h200-paper | dcu-paper | PROFILE.yaml")
         s.add_argument("--model", default="glm-5", help="preset name or checkpoint folder")
         s.add_argument("--chunk", type=_int("--chunk"), default=16384, help="prefill rows per step")
         s.add_argument("--json", dest="json_out", default=None, help="write the result here ('-': stdout)")
         s.add_argument("--png", default=None, help="write a figure here")
+        if name == "fleet":
+            s.add_argument("--replicas", type=_int("--replicas"), default=4, help="engines, each of the profile's T ranks")
         if name == "sweep":
             s.add_argument("--batch", type=_int("--batch"), default=16)
             s.add_argument("--inputs", type=_ints("--inputs"), default=DEFAULT_INPUTS)
@@ -182,6 +185,8 @@ def main(argv=None) -> int:
         if args.verb in ("fit", "paper"):
             result, summary = _paper_verb(args)
             return _emit(args, result, summary)
+        if args.verb == "fleet" and args.png:
+            raise UsageError("--png: fleet has no figure; its --json has each replica's times and switches")
         dep = _deployment(args)
         cfg = SimConfig(chunk_tokens=args.chunk)
         if args.verb == "sweep":
@@ -199,6 +204,13 @@ def main(argv=None) -> int:
             else:
                 work = drain_workload(args.prompts, args.samples, (pl[0], pl[-1]), args.response_lognormal,
                                       args.max_response, args.seed)
+            if args.verb == "fleet":
+                from splash_rollout.sim.fleet import fleet_drain, summary_line
+
+                from splash_rollout.sim.runs import group_size
+
+                result = fleet_drain(dep, work, group_size(args.workload, args.samples), args.replicas, cfg)
+                return _emit(args, result, summary_line(result))
             result = drain(dep, work, cfg)
             summary = (" ".join(f"{k}:{v:.0f}" for k, v in result["tokens_per_s"].items())
                        + f"  ratio={result['ratio_adaptive_vs_best_fixed']:.3f}"

@@ -95,12 +95,22 @@ requests with long responses: the end of a drain); ``long-prompt-only`` (16 prom
 ``oscillating`` (three rounds of 512 short requests then 4 long prompts)."""
 
 
+RL_SAMPLES = 16
+"""Samples per prompt of the named ``rl`` drain (its requests come in groups of this many)."""
+
+
+def group_size(name: str | None, samples: int) -> int:
+    """Requests per prompt group of a drain: ``samples`` for a generated one, ``RL_SAMPLES`` for the
+    named ``rl``, 1 for the other named ones (single requests)."""
+    return samples if name is None else RL_SAMPLES if name == "rl" else 1
+
+
 def named_workload(name: str, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     if name == "paper":
         return paper_workload(seed=seed)
     if name == "rl":
-        return drain_workload(prompts=64, samples=16, prompt_len=(1024, 4096), response_lognormal=(7.0, 1.0),
+        return drain_workload(prompts=64, samples=RL_SAMPLES, prompt_len=(1024, 4096), response_lognormal=(7.0, 1.0),
                               max_response=16384, seed=seed)
     if name == "wide-only":
         return paper_workload(long_prompts=0, seed=seed)
