@@ -50,7 +50,7 @@ def step_metrics(batch: RolloutBatch, rewards: torch.Tensor, scored: Rewards,
         out[f"rollout/finish_reason/{r}"] = reasons.count(r) / len(reasons)
     out.update(layout_metrics(timeline))
     out.update({k: v for k, v in batch.metrics.items()
-                if k in ENGINE_MEMORY_KEYS or k.startswith(("tool/", "spec/"))})
+                if k in ENGINE_MEMORY_KEYS or k.startswith(("tool/", "spec/", "fleet/"))})
     out.update(timings)
     return out
 
