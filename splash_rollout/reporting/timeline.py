@@ -87,39 +87,50 @@ def plot_timeline(path: str, timelines: Sequence[tuple[int, dict[str, Any]]]) ->
     fig, (ax, mem) = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     ax2 = ax.twinx()
     offset, seen, speculated = 0.0, {}, False
+    lanes_seen = 1
     for step, t in timelines:
         phases = t.get("phases", [])
-        for p in phases:
-            x0, x1 = offset + p["t_start"], offset + p["t_end"]
-            color = LAYOUT_COLORS.get(p["layout"], "#999999")
-            ax.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
-            mem.axvspan(x0, x1, color=color, alpha=0.25, lw=0)
-            seen[p["layout"]] = color
-            for s0, s1 in p.get("speculation_spans", []):
-                ax.axvspan(offset + s0, offset + s1, ymin=0.93, ymax=1.0, facecolor="none", edgecolor="tab:green",
-                           hatch="////", lw=0)
-                speculated = True
-            if p.get("memory_curve"):
-                xs = [offset + c[0] for c in p["memory_curve"]]
-                mem.plot(xs, [c[1] for c in p["memory_curve"]], color="black", lw=1.2)
-                mem.plot(xs, [c[2] for c in p["memory_curve"]], color="black", lw=0.8, ls=":")
-            b0, b1 = _batch_sizes(p)
-            curve = p.get("batch_curve") or [[p["t_start"], b0], [p["t_end"], b1]]
-            ax.plot([offset + c[0] for c in curve], [c[1] for c in curve], color="black", lw=1.2)
-            dt = p["t_end"] - p["t_start"]
-            ax2.plot([x0, x1], [p.get("tokens", 0) / dt if dt > 0 else 0.0] * 2, color="tab:orange", lw=1.2)
-        done = [s for s in t.get("switches", []) if s.get("deferred_reason") is None]
-        causes = [s.get("cause") for s in done]
-        switch_times = [offset + p["t_start"] for p in phases[1:]]  # a switch starts the next phase
-        for i, x in enumerate(switch_times):
-            pressure = i < len(causes) and causes[i] == "pressure"
-            for a in (ax, mem):
-                a.axvline(x, color="tab:red" if pressure else "gray", ls="--", lw=1.0 if pressure else 0.8)
+        by_replica: dict[Any, list[dict]] = {}
+        for p in phases:  # a fleet's call: each replica's phases in a lane of its own, on the same clock
+            by_replica.setdefault(p.get("replica"), []).append(p)
+        lanes = sorted(by_replica, key=lambda r: -1 if r is None else r)
+        lanes_seen = max(lanes_seen, len(lanes))
+        for lane, replica in enumerate(lanes):
+            lo, hi = lane / len(lanes), (lane + 1) / len(lanes)
+            own = by_replica[replica]
+            for p in own:
+                x0, x1 = offset + p["t_start"], offset + p["t_end"]
+                color = LAYOUT_COLORS.get(p["layout"], "#999999")
+                ax.axvspan(x0, x1, ymin=lo, ymax=hi, color=color, alpha=0.25, lw=0)
+                mem.axvspan(x0, x1, ymin=lo, ymax=hi, color=color, alpha=0.25, lw=0)
+                seen[p["layout"]] = color
+                for s0, s1 in p.get("speculation_spans", []):
+                    ax.axvspan(offset + s0, offset + s1, ymin=lo + 0.93 * (hi - lo), ymax=hi, facecolor="none",
+                               edgecolor="tab:green", hatch="////", lw=0)
+                    speculated = True
+                if p.get("memory_curve"):
+                    xs = [offset + c[0] for c in p["memory_curve"]]
+                    mem.plot(xs, [c[1] for c in p["memory_curve"]], color="black", lw=1.2)
+                    mem.plot(xs, [c[2] for c in p["memory_curve"]], color="black", lw=0.8, ls=":")
+                b0, b1 = _batch_sizes(p)
+                curve = p.get("batch_curve") or [[p["t_start"], b0], [p["t_end"], b1]]
+                ax.plot([offset + c[0] for c in curve], [c[1] for c in curve], color="black", lw=1.2)
+                dt = p["t_end"] - p["t_start"]
+                ax2.plot([x0, x1], [p.get("tokens", 0) / dt if dt > 0 else 0.0] * 2, color="tab:orange", lw=1.2)
+            done = [s for s in t.get("switches", []) if s.get("deferred_reason") is None
+                    and s.get("replica") == replica]
+            causes = [s.get("cause") for s in done]
+            for i, x in enumerate(offset + p["t_start"] for p in own[1:]):  # a switch starts the next phase
+                pressure = i < len(causes) and causes[i] == "pressure"
+                for a in (ax, mem):
+                    a.axvline(x, ymin=lo, ymax=hi, color="tab:red" if pressure else "gray", ls="--",
+                              lw=1.0 if pressure else 0.8)
         end = max((p["t_end"] for p in phases), default=0.0)
         ax.axvline(offset, color="black", lw=0.5, alpha=0.5)
         ax.text(offset, 1.0, f" {step}", transform=ax.get_xaxis_transform(), va="top", fontsize=7)
         offset += end
-    mem.set_xlabel("rollout time (s; RL steps laid end to end)")
+    mem.set_xlabel("rollout time (s; RL steps laid end to end)"
+                   + (f"; bands: one lane per replica, {lanes_seen} replicas" if lanes_seen > 1 else ""))
     mem.set_ylabel("KV pool used")
     mem.set_ylim(0, 1.05)
     mem.legend(handles=[plt.Line2D([], [], color="black", label="in use"),
