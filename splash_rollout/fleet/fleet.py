@@ -34,6 +34,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from splash_rollout.engine.weight_update import DEFAULT_BUCKET_BYTES
 from splash_rollout.fleet.placement import Placement, PlacementOptions
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.types import RolloutBatch, SampleGroup, SamplingParams, Timeline
@@ -131,6 +132,7 @@ class Fleet:
         self._members: dict[int, _Member] = {}
         self._next_index = 0
         self._seed_counter = 0
+        self._pushes = 0
         self._weights: tuple[Any, int] | None = None
         """The last push (object reference, version): what a replica that joins gets first."""
         self.weight_version = 0
@@ -189,16 +191,28 @@ class Fleet:
                    **{f"fleet/replica_{i}/groups": float(served.count(i)) for i in sorted(set(served))}}
         return RolloutBatch(groups=groups, timeline=merged, metrics=metrics)
 
-    def update_weights(self, named_tensors: dict, version: int | None = None) -> int:
-        """Full weights to every replica, put in Ray's object store once. Each replica validates the
-        push before it changes a weight, so a bad push (a name, shape or dtype; a NaN) is refused by
-        all alike and the old weights keep serving. Replicas that join later get the last push first.
-        Returns the version now stamped on tokens."""
+    def update_weights(self, named_tensors: dict, version: int | None = None,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """Full weights to every replica, all or none. The tensors go into Ray's object store once, in
+        buckets of at most ``bucket_bytes`` (a tensor larger goes alone); every replica fetches and
+        validates the whole push first (names, shapes, exact dtypes, no NaN or infinity) and changes
+        nothing; only when all have, each puts it into its engine. A push any replica refuses is
+        discarded by all and raises its ValueError: the old weights keep serving everywhere. A replica
+        lost during the push is taken out; the others go on. Replicas that join later get the last
+        push first. Returns the version now stamped on tokens."""
         ray = _ray()
         version = self.weight_version + 1 if version is None else version
-        ref = ray.put({k: v.detach().cpu() for k, v in dict(named_tensors).items()})
-        self._call(self._push(ref, version))
-        self._weights, self.weight_version = (ref, version), version
+        buckets, size = [{}], 0
+        for name, tensor in dict(named_tensors).items():
+            t = tensor.detach().cpu()
+            if buckets[-1] and size + t.nbytes > bucket_bytes:
+                buckets.append({})
+                size = 0
+            buckets[-1][name] = t
+            size += t.nbytes
+        refs = [ray.put(b) for b in buckets]
+        self._call(self._push(refs, version))
+        self._weights, self.weight_version = (refs, version), version
         return version
 
     def add_replica(self) -> int:
@@ -343,8 +357,8 @@ class Fleet:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"fleet: replica {index}'s engine was not built within "
                                    f"{self.options.start_timeout_s} s") from None
-            if self._weights is not None:
-                await member.actor.update_weights.remote(*self._weights)
+            if self._weights is not None:  # the last push, before it takes requests
+                await self._push(*self._weights, members=[index])
 
         results = await asyncio.gather(*(ready(i) for i in started), return_exceptions=True)
         failed = [(i, r) for i, r in zip(started, results) if isinstance(r, BaseException)]
@@ -353,20 +367,33 @@ class Fleet:
         if failed:
             raise RuntimeError(f"fleet: replica {failed[0][0]} did not start: {failed[0][1]}") from failed[0][1]
         for i in started:
-            self.placement.add(i)
+            if i in self._members:  # not lost while it took the last push
+                self.placement.add(i)
         return started
 
-    async def _push(self, ref, version: int) -> None:
+    async def _push(self, refs: list, version: int, members: list[int] | None = None) -> None:
+        """Stage ``refs`` on ``members`` (default: every replica), then commit on those that staged."""
         lost_errors = _lost_errors()
-        members = list(self._members.items())
-        results = await asyncio.gather(*(m.actor.update_weights.remote(ref, version) for _, m in members),
+        self._pushes += 1
+        push = self._pushes
+        chosen = [(i, self._members[i]) for i in (members if members is not None else sorted(self._members))]
+
+        async def each(method: str, *args) -> list:
+            out = await asyncio.gather(*(getattr(m.actor, method).remote(*args) for _, m in chosen),
                                        return_exceptions=True)
-        for (index, _), r in zip(members, results):
-            if isinstance(r, lost_errors):
-                self._lose(index, f"lost during a weight push: {type(r).__name__}")
-        refused = [r for r in results if isinstance(r, BaseException) and not isinstance(r, lost_errors)]
+            for (index, _), r in zip(chosen, out):
+                if isinstance(r, lost_errors):
+                    self._lose(index, f"lost during a weight push: {type(r).__name__}")
+            return [r for r in out if isinstance(r, BaseException) and not isinstance(r, lost_errors)]
+
+        refused = await each("stage", push, refs)
+        chosen = [(i, m) for i, m in chosen if i in self._members]
         if refused:
+            await each("discard", push)
             raise refused[0]
+        failed = await each("commit", push, version)
+        if failed:
+            raise failed[0]
 
     async def _timelines_since(self, marks: dict[int, int]) -> list[tuple[int, dict]]:
         members = sorted(self._members.items())

@@ -2,7 +2,7 @@
 
 Why a class of its own: the fleet (fleet.py) only ever talks to a replica through these methods,
 so what crosses the process boundary is small and explicit -- token ids and sampling parameters in,
-a ``SampleGroup`` out, weights in by object reference. The actor is asynchronous: many ``generate``
+a ``SampleGroup`` out, weights in by object reference (staged and validated, then committed). The actor is asynchronous: many ``generate``
 calls are open at once, each awaiting its handle from ``RolloutEngine.submit``, and they join the
 engine's running batch at its next step, as the OpenAI server's requests do.
 
@@ -25,6 +25,8 @@ class Replica:
         self.index = index
         self.engine = RolloutEngine(config)
         self.served = 0
+        self._staged: tuple[int, dict] | None = None
+        """(push, full tensors) validated and not yet committed."""
 
     async def generate(self, prompt_ids: list[int], sampling) -> Any:
         """One prompt's group of ``sampling.n`` samples (a ``SampleGroup``)."""
@@ -32,11 +34,30 @@ class Replica:
         self.served += 1
         return group
 
-    async def update_weights(self, named: dict, version: int) -> int:
-        """Full weights (validated before any change: a bad push leaves the old ones). Runs beside the
-        serving loop: it lands between two steps, running requests continue under ``version``."""
-        await asyncio.to_thread(self.engine.update_weights, named, version)
+    async def stage(self, push: int, buckets: list) -> None:
+        """Phase one of a fleet push: fetch every bucket (object references, each a dict of full
+        tensors) and validate the whole push against this engine's parameters, changing nothing. A
+        ValueError names the first problem; the push is then discarded everywhere."""
+        from splash_rollout.engine.weight_update import validate_update
+
+        named: dict = {}
+        for part in await asyncio.gather(*buckets):
+            named.update(part)
+        await asyncio.to_thread(validate_update, named, self.engine._full_shapes, True)
+        self._staged = (push, named)
+
+    async def commit(self, push: int, version: int) -> int:
+        """Phase two: the staged push into the engine as ``version``. Runs beside the serving loop: it
+        lands between two steps, running requests continue under ``version``."""
+        if self._staged is None or self._staged[0] != push:
+            raise RuntimeError(f"replica {self.index}: commit of push {push}, which is not the one staged")
+        named, self._staged = self._staged[1], None
+        await asyncio.to_thread(self.engine.update_weights, named, version, False)
         return self.engine.weight_version
+
+    async def discard(self, push: int) -> None:
+        if self._staged is not None and self._staged[0] == push:
+            self._staged = None
 
     async def info(self) -> dict:
         """What the fleet reports of this replica (also its liveness check)."""

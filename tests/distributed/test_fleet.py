@@ -80,7 +80,12 @@ def test_one_weight_push_reaches_every_replica(fleet, reference):
     prompts = [[30 + i, 31, 32] * 3 for i in range(4)]
     params = [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=7 + i) for i in range(4)]
     old = fleet.generate(prompts, params, timeout_s=300).groups
-    assert fleet.update_weights(named, version=5) == 5
+    name = "model.layers.1.self_attn.o_proj.weight"
+    with pytest.raises(ValueError, match=rf"{name}: expected shape"):  # refused by all, changes none
+        fleet.update_weights({**named, name: named[name].t()}, version=4, bucket_bytes=1 << 16)
+    assert fleet.weight_version == 0 and {row["weight_version"] for row in fleet.info()} == {0}
+    same_samples(fleet.generate(prompts, params, timeout_s=300).groups, old)
+    assert fleet.update_weights(named, version=5, bucket_bytes=1 << 16) == 5  # many buckets
     reference.update_weights(named, version=5)
     requests = [fleet.submit(p, s) for p, s in zip(prompts, params)]
     new = [r.result(300) for r in requests]
