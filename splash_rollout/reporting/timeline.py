@@ -13,7 +13,8 @@ from typing import Any, Sequence
 
 LAYOUT_COLORS = {"tp": "#4c72b0", "dp": "#55a868", "dop": "#c44e52", "cp": "#8172b2"}
 TABLE_COLUMNS = ("rl_step", "layout", "t_start", "t_end", "engine_steps", "batch_size_start",
-                 "batch_size_end", "tokens", "tokens_per_s")
+                 "batch_size_end", "tokens", "tokens_per_s", "replica")
+"""``replica``: the fleet replica that ran the phase (0 for a single engine)."""
 
 
 def _batch_sizes(phase: dict[str, Any]) -> tuple[int, int]:
@@ -61,7 +62,8 @@ def table_rows(step: int, timeline: dict[str, Any]) -> list[list[Any]]:
         b0, b1 = _batch_sizes(p)
         dt = p["t_end"] - p["t_start"]
         rows.append([step, p["layout"], round(p["t_start"], 6), round(p["t_end"], 6), int(p.get("steps", 0)),
-                     b0, b1, int(p.get("tokens", 0)), (p.get("tokens", 0) / dt if dt > 0 else 0.0)])
+                     b0, b1, int(p.get("tokens", 0)), (p.get("tokens", 0) / dt if dt > 0 else 0.0),
+                     int(p.get("replica", 0))])
     return rows
 
 

@@ -56,7 +56,9 @@ def test_timeline_json_rows_and_png(tmp_path):
     assert [s["step"] for s in data["steps"]] == [0, 1] and data["steps"][1]["phases"][1]["layout"] == "dop"
     rows = table_rows(0, TIMELINE)
     assert len(rows) == 2 and len(rows[0]) == len(TABLE_COLUMNS)
-    assert rows[0][5:7] == [64, 9] and rows[1][5:7] == [9, 9] and rows[0][-1] == pytest.approx(400.0)
+    fleet_call = {"phases": [{**p, "replica": r} for r, p in enumerate(TIMELINE["phases"])]}
+    assert [row[TABLE_COLUMNS.index("replica")] for row in table_rows(0, fleet_call)] == [0, 1]
+    assert rows[0][5:7] == [64, 9] and rows[1][5:7] == [9, 9] and rows[0][TABLE_COLUMNS.index("tokens_per_s")] == pytest.approx(400.0)
     png = plot_timeline(str(tmp_path / "timeline.png"), tls)
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
