@@ -5,6 +5,7 @@ one worker -- each spawns its own ranks, so two of them at once would put four b
 cores -- while the single-process tests share out over both workers on one torch thread each.
 """
 import os
+import sys
 
 import pytest
 
@@ -33,6 +34,10 @@ def no_leftover_process_group():
     yield
     if not was and dist.is_initialized():
         dist.destroy_process_group()
+        groups = sys.modules.get("deepspeed.utils.groups")  # DeepSpeed caches a clone of the world group
+        release = getattr(groups, "_release_process_group_references", None)
+        if release is not None:
+            release()
 
 
 @pytest.fixture

@@ -14,7 +14,10 @@ pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 def test_two_grpo_steps_on_a_fleet_of_two_replicas(tmp_path):
     from splash_rollout.run import compose_config, launch
 
-    launch(compose_config(TINY + ["engine.parallel.world_size=1", "engine.fleet.replicas=2"]), str(tmp_path))
+    # the plain torch trainer: DeepSpeed in this (pytest) process would leave its cached world group
+    # behind for the next in-process recipe test of this worker
+    launch(compose_config(TINY + ["engine.parallel.world_size=1", "engine.fleet.replicas=2", "trainer=torch"]),
+           str(tmp_path))
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [0, 1]
     for line in lines:
