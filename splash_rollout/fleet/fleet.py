@@ -4,8 +4,8 @@ Why: an RL step's thousands of prompts are spread over many engines, each spanni
 devices (where the attention layouts switch over the fast links); the frameworks our users come
 from place such engines with Ray. Here each replica is a Ray actor (``replica.Replica``) holding a
 ``RolloutEngine`` of T ranks, in a placement group of its own: one bundle of T ranks' resources
-(``{"GPU": T, "CPU": T}`` on GPUs, ``{"CPU": T * cpus_per_rank}`` on a CPU machine), so a replica
-never straddles nodes. The engine spawns its ranks inside the actor, on that node.
+(``{"CPU": T * cpus_per_rank}``, and ``"GPU": T`` on GPUs), so a replica never straddles nodes.
+The engine spawns its ranks inside the actor, on that node.
 
 One entry point: ``submit`` / ``agenerate`` / ``generate`` take prompts one at a time or as a
 batch; each prompt's group of ``n`` samples goes to one replica, chosen by ``placement.Placement``
