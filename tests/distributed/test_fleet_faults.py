@@ -1,6 +1,7 @@
-"""A fleet's failure modes on a local Ray instance: a replica that stops answering (its process
+"""A fleet on a local Ray instance, beyond the happy path: a replica that stops answering (its process
 frozen with SIGSTOP, as a hung host looks) is taken out by the health check and its requests finish
-elsewhere; with resubmission off, a lost replica's requests end with ReplicaLost and the rest finish."""
+elsewhere; with resubmission off, a lost replica's requests end with ReplicaLost and the rest finish;
+a replica of two ranks spawns them inside its actor and gives one engine's samples."""
 from __future__ import annotations
 
 import os
@@ -68,3 +69,19 @@ def test_without_resubmission_a_lost_replicas_requests_end_with_replica_lost(loc
                 assert f"replica {victim}" in str(e) and r.replica == victim
                 lost += 1
         assert lost >= 1 and ok >= 1 and lost + ok == 6
+
+
+@pytest.mark.slow
+def test_a_replica_of_two_ranks_spawns_them_inside_its_actor(local_ray):
+    from splash_rollout import RolloutEngine
+
+    config = EngineConfig(model="glm5-nano", parallel={"world_size": 2, "layout": "auto"}, numerics="reproducible")
+    prompts = [[5 + i, 6, 7, 8] * 3 for i in range(4)]
+    params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=i) for i in range(4)]
+    with Fleet(config, FleetOptions(replicas=1)) as fleet:  # one bundle of 2 CPUs: the whole instance
+        got = fleet.generate(prompts, params, timeout_s=300)
+    with RolloutEngine(config) as engine:
+        want = engine.generate(prompts, params)
+    assert [s.response_ids for g in got.groups for s in g.samples] == \
+        [s.response_ids for g in want.groups for s in g.samples]
+    assert {p["replica"] for p in got.timeline.phases} == {0}
