@@ -239,10 +239,45 @@ def _roof(flops: float, rate: float, w_bytes: float, w_bw: float, kv_bytes: floa
     return max(flops / rate, w_bytes / w_bw + kv_bytes / kv_bw)
 
 
+@dataclass(frozen=True)
+class _AttentionLoad:
+    """What the busiest rank's attention block does in one step (per layer; per head where it says)."""
+
+    att_load: float
+    """(row, key) pairs scored per head."""
+    idx_load: float
+    sel_load: float
+    gather_load: float
+    kv_load: float
+    """Latent tokens read."""
+    idxr_load: float
+    busy_requests: float
+    att_flop_load: float
+    att_heads: float
+    n_r: np.ndarray | None
+    """[T] rows per owner rank (owner layouts), else None."""
+    busy_rows: float
+
+
+@dataclass(frozen=True)
+class _FeedForwardPlan:
+    """Where the feed-forward block's rows run and what closes it."""
+
+    mlp_comm: float
+    ff_t: int
+    """Ranks the block's weights are divided over."""
+    ff_n: float
+    """Rows one rank runs them on."""
+    replicated: bool
+
+
 def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profile: HardwareProfile,
               sizes: AttentionBytes, pools: Mapping[Layout, int] | None = None) -> StepCost:
     """Predicted latency of one step of ``batch`` in ``layout``; inf when its KV does not fit ``pools``
-    (per-rank pool tokens per layout, from ``layout.footprints``)."""
+    (per-rank pool tokens per layout, from ``layout.footprints``). The steps: what the attention
+    block reads and scores on the busiest rank, where the feed-forward rows run, the attention
+    block's collective (CP: each way of running it), the feed-forward cost, every layer's stages
+    under the cheapest way, then the head and the per-step overheads."""
     layout = Layout.parse(layout)
     t = profile.world_size
     if pools is not None:
@@ -254,11 +289,30 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     p = profile
     ref = p.engine in ("torch_ref", "cpu")  # the engine this package runs: dense indexer, replicated CP
     paged = p.engine == "cpu"  # ... whose cpu backend attends only the keys a row sees, in place
+    n = float(batch.query_rows.sum())
+    load = _attention_load(layout, batch, k, t, ref, paged)
+    ff = _feed_forward_plan(layout, p, n, load.n_r, t, ref, k.hidden)
+    variants = _attention_variants(layout, batch, k, p, t, ref, n, load, ff.replicated)
+    mlp = _mlp_seconds(k, p, ff, k.hidden)
+    stages, layer_seconds, variant = _cheapest_layers(layout, model, k, p, t, load, ff, mlp, variants)
+    q = batch.query_rows
+    r = batch.size if batch.sampling_rows is None else batch.sampling_rows
+    stages["lm_head"] = _stage_scales(p, layout)["lm_head"] * _roof(r * 2.0 * k.hidden * k.vocab / t, p.matmul_flops, k.head_bytes / t,
+                                           p.weight_read_Bps) if r else 0.0
+    stages["overhead"] += (p.step_overhead_s + batch.size * p.request_step_s
+                           + (p.per_layout("layout_step_s", layout.value) if (q > 1).any() else 0.0)
+                           + float(np.where(q > 1, q, 0).sum()) * p.per_layout("layout_token_s", layout.value)
+                           + batch.prefill_done * p.per_layout("layout_request_s", layout.value))
+    return StepCost(layout, float(sum(stages.values())), stages, tuple(layer_seconds), variant=variant)
+
+
+def _attention_load(layout: Layout, batch: StepBatch, k, t: int, ref: bool, paged: bool) -> _AttentionLoad:
+    """Keys scored, latent tokens read and attention FLOP of the busiest rank (owner layouts: the
+    most loaded owner; TP / CP: the sum, over T where CP spreads it)."""
     s, q, own = batch.context, batch.query_rows, batch.owners
-    n = float(q.sum())
     start = s - q
     active = q > 0
-    h, hd = k.heads, k.hidden
+    h = k.heads
     cp = layout is Layout.CP
     owner_layout = layout in (Layout.DP, Layout.DOP)
     if ref:
@@ -286,6 +340,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         kv_read = np.minimum(s, q * k.topk) if k.topk else s.astype(np.float64)  # latent tokens read
         kv_read = np.where(active, kv_read, 0).astype(np.float64)
     idx_read = np.where(active, s, 0).astype(np.float64)
+    busy_rows = 0.0
     if owner_layout:
         n_r = _per_rank(own, q.astype(np.float64), t)
         busy_rows = float(n_r.max())
@@ -317,7 +372,13 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
                                           - q * k.kv_lora * (k.nope + k.v)), att_flops)
     att_flop_load = (float(_per_rank(own, att_flops, t).max()) if owner_layout
                      else float(att_flops.sum()) / (t if cp and not ref else 1))  # as att_load is
-    sharded = layout.shards_projections
+    return _AttentionLoad(att_load, idx_load, sel_load, gather_load, kv_load, idxr_load, busy_requests,
+                          att_flop_load, att_heads, n_r, busy_rows)
+
+
+def _feed_forward_plan(layout: Layout, p: HardwareProfile, n: float, n_r, t: int, ref: bool,
+                       hd: int) -> _FeedForwardPlan:
+    """Which ranks run the feed-forward rows and the collective that closes the block."""
     rows_sh = float(ceil_div(int(n), t))
     ar_hidden = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
     # the feed-forward block's closing collective: an all-reduce where hidden states are replicated
@@ -334,8 +395,20 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     if replicated_ff:
         ff_t, ff_n = 1, (float(n_r.max()) if layout is Layout.DP else rows_sh)
         mlp_comm = 0.0 if layout is Layout.DP else p.all_gather.time((n - rows_sh) * hd * ACT)
+    return _FeedForwardPlan(mlp_comm, ff_t, ff_n, replicated_ff)
 
-    # collectives of the attention block (per layer; the indexer part only on full layers)
+
+def _attention_variants(layout: Layout, batch: StepBatch, k, p: HardwareProfile, t: int, ref: bool, n: float,
+                        load: _AttentionLoad, replicated_ff: bool) -> list[tuple[str, float, float, float, float]]:
+    """Each way of running the attention block: (name, rows projected in, projection FLOP, its
+    collective per layer, the indexer's extra collective on full layers). One way outside CP."""
+    s, q = batch.context, batch.query_rows
+    active = q > 0
+    h, hd = k.heads, k.hidden
+    cp = layout is Layout.CP
+    n_r, busy_rows = load.n_r, load.busy_rows
+    rows_sh = float(ceil_div(int(n), t))
+    ar_hidden = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
     frac = (t - 1) / t
     if layout is Layout.TP:
         comm = ar_hidden
@@ -389,9 +462,18 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         idx_gather = p.all_gather.time(frac * float(s[active].sum()) * k.idx_bytes) if k.topk else 0.0
         variants.append(("pass-kv", rows_sh, rows_sh * (k.f_q + k.f_o) * h,
                          lat_gather + p.all_gather.time(frac * n * hd * ACT), idx_gather))
+    return variants
 
-    mf, af = p.matmul_flops, p.attention_flops
-    scale = {name: p.scale(group, layout.value) for group, names in STAGE_GROUP_OF.items() for name in names}
+
+def _stage_scales(p: HardwareProfile, layout: Layout) -> dict[str, float]:
+    """The profile's correction of each stage in ``layout`` (by the stage's group)."""
+    return {name: p.scale(group, layout.value) for group, names in STAGE_GROUP_OF.items() for name in names}
+
+
+def _mlp_seconds(k, p: HardwareProfile, ff: _FeedForwardPlan, hd: int) -> tuple[float, float]:
+    """(MoE layer, dense layer) feed-forward seconds on one rank."""
+    mf = p.matmul_flops
+    ff_t, ff_n = ff.ff_t, ff.ff_n
     if k.n_experts:
         # sharded: a rank holds 1/T of the experts and runs them on every row; replicated: all of
         # them, run on its ff_n rows (ff_t = 1). Either way the router scores every row it sees.
@@ -403,9 +485,20 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     else:
         moe = 0.0
     dense = _roof(ff_n * k.f_dense / ff_t, mf, k.dense_bytes / ff_t, p.weight_read_Bps)
-    per_request = busy_requests * p.request_layer_s
-    att_elements = (att_load * att_heads + gather_load) * p.score_element_s
-    idx_elements = (idx_load * model.index_n_heads + sel_load) * p.score_element_s
+    return moe, dense
+
+
+def _cheapest_layers(layout: Layout, model: ModelConfig, k, p: HardwareProfile, t: int, load: _AttentionLoad,
+                     ff: _FeedForwardPlan, mlp: tuple[float, float], variants: list):
+    """Every layer's stages under each way of running attention; the cheapest way's (stages summed
+    over layers, seconds per layer, its name)."""
+    mf, af = p.matmul_flops, p.attention_flops
+    moe, dense = mlp
+    sharded = layout.shards_projections
+    scale = _stage_scales(p, layout)
+    per_request = load.busy_requests * p.request_layer_s
+    att_elements = (load.att_load * load.att_heads + load.gather_load) * p.score_element_s
+    idx_elements = (load.idx_load * model.index_n_heads + load.sel_load) * p.score_element_s
     best = None
     for variant, in_rows, proj_flops, comm, comm_idx in variants:
         stages = dict.fromkeys(STAGES, 0.0)
@@ -416,13 +509,13 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
             st = {
                 "attn_in": _roof(in_rows * (k.f_in + (k.f_in_idx if full_idx else 0.0)), mf, k.w_rep[i0], p.weight_read_Bps),
                 "attn_proj": _roof(proj_flops, mf, w_a, p.weight_read_Bps),
-                "indexer": _roof(idx_load * k.f_idx, af, 0.0, 1.0, idxr_load * k.idx_bytes, p.kv_read_Bps) + idx_elements
-                if full_idx and k.topk else 0.0,
-                "attention": _roof(att_flop_load * att_heads, af, 0.0, 1.0, kv_load * k.lat_bytes, p.kv_read_Bps)
-                + att_elements,
+                "indexer": _roof(load.idx_load * k.f_idx, af, 0.0, 1.0, load.idxr_load * k.idx_bytes, p.kv_read_Bps)
+                + idx_elements if full_idx and k.topk else 0.0,
+                "attention": _roof(load.att_flop_load * load.att_heads, af, 0.0, 1.0, load.kv_load * k.lat_bytes,
+                                   p.kv_read_Bps) + att_elements,
                 "attn_comm": comm + (comm_idx if full_idx else 0.0),
                 "mlp": moe if is_moe else dense,
-                "mlp_comm": mlp_comm,
+                "mlp_comm": ff.mlp_comm,
             }
             for name in st:
                 st[name] *= scale[name]
@@ -436,14 +529,7 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
         if best is None or total < best[0]:
             best = (total, variant, stages, layer_seconds)
     _, variant, stages, layer_seconds = best
-    r = batch.size if batch.sampling_rows is None else batch.sampling_rows
-    stages["lm_head"] = scale["lm_head"] * _roof(r * 2.0 * hd * k.vocab / t, mf, k.head_bytes / t,
-                                                 p.weight_read_Bps) if r else 0.0
-    stages["overhead"] += (p.step_overhead_s + batch.size * p.request_step_s
-                           + (p.per_layout("layout_step_s", layout.value) if (q > 1).any() else 0.0)
-                           + float(np.where(q > 1, q, 0).sum()) * p.per_layout("layout_token_s", layout.value)
-                           + batch.prefill_done * p.per_layout("layout_request_s", layout.value))
-    return StepCost(layout, float(sum(stages.values())), stages, tuple(layer_seconds), variant=variant)
+    return stages, layer_seconds, variant
 
 
 def step_times(batch: StepBatch, model: ModelConfig, profile: HardwareProfile, sizes: AttentionBytes,
