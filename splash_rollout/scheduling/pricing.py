@@ -153,7 +153,6 @@ class StepPricer:
         A layout that prefills on owners (DP-attention, DOP) runs at most its budget / T rows per
         owner a step -- a long prompt on one owner at that rate -- and an admitted prompt's chunk is
         priced at the context halfway through its prefill."""
-        d = self.dep
         phase = prefill if isinstance(prefill, PhasePrefill) else PhasePrefill(int(prefill))
         decode = StepBatch.make(np.maximum(batch.context, 1), np.ones(batch.size, dtype=np.int64), batch.owners)
         hold = batch.context if hold is None else hold
@@ -171,10 +170,21 @@ class StepPricer:
         # now row at the step with the queue's head admitted, as before the split)
         now_runs = [] if waiting is None or not phase.now_requests else \
             phase.now_runs(waiting.prompt, waiting.reserved, waiting.token_budget, batch.size)
+        out, parts, dec_s = self._phase_parts(priced, batch, phase, hold, waiting, decode, width, kept, runs, now_runs)
+        rows = phase.now_rows + sum(r.rows for r in runs)
+        out.update(self._cheapest_plans(parts, dec_s, hold, waiting, phase, runs, now_runs, horizon, rows, width))
+        return out
+
+    def _phase_parts(self, priced: dict, batch: StepBatch, phase: PhasePrefill, hold: np.ndarray,
+                     waiting: Waiting | None, decode: StepBatch, width: int, kept: dict, runs: list, now_runs: list):
+        """Per feasible layout, in its own rates: the (steps, seconds) of the running prefills' rows,
+        then of each run of prompts (the free slots', then the later arrivals'), and the seconds of a
+        step of ``width`` decode rows. Infeasible layouts (or nothing to run) are priced at once.
+        Returns (those prices, the parts, the decode seconds)."""
+        d = self.dep
         running_rows = phase.now_rows - sum(r.rows for r in now_runs)
         out, parts, dec_s = {}, {}, {}
         decoding = int(np.count_nonzero(batch.query_rows <= 1))  # running requests that decode, one row each
-        rows = phase.now_rows + sum(r.rows for r in runs)
         for l, (cost, step, _) in priced.items():
             if not cost.feasible or not width:
                 out[l] = cost.seconds / max(1, step.rows)
@@ -207,6 +217,16 @@ class StepPricer:
             # the decode rows at this layout's rate: ``width`` rows a step of work, run in steps of
             # ``kept[l]`` (fewer rows than ``width`` where a first decision's pool binds)
             dec_s[l] = self.price(l, kept[l]).seconds * width / max(1, kept[l].size)
+        return out, parts, dec_s
+
+    def _cheapest_plans(self, parts: dict, dec_s: dict, hold: np.ndarray, waiting: Waiting | None,
+                        phase: PhasePrefill, runs: list, now_runs: list, horizon: float, rows: int,
+                        width: int) -> dict[Layout, float]:
+        """Per layout: its parts, each run behind the first left to the layout that runs it fastest
+        among those that could take the batch back by then, and the horizon's decode steps after
+        them, over the phase's rows."""
+        d = self.dep
+        out = {}
         capacity = {l: self.fit.pool(l) * (1 if l.ownership is Ownership.EVERY else d.world_size)
                     for l in parts}
         now_reserved = waiting.reserved[: phase.now_requests] if waiting is not None else np.zeros(0, np.int64)
