@@ -31,11 +31,6 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
-def fleet_replicas(cfg: DictConfig) -> int:
-    fleet = cfg.engine.get("fleet")
-    return int(fleet.replicas) if fleet is not None and fleet.get("replicas") is not None else 1
-
-
 def run_recipe(cfg: DictConfig, run_dir: str, rank: int, world_size: int):
     if "grpo" not in cfg:
         raise ValueError("no recipe selected: add +recipe=grpo_glm5")
@@ -56,6 +51,7 @@ def launch(cfg: DictConfig, run_dir: str):
     """Run on the ranks: torchrun's, or ``engine.parallel.world_size`` spawned ones, or this process alone."""
     from splash_rollout.distributed.groups import under_torchrun
     from splash_rollout.distributed.launch import free_port
+    from splash_rollout.recipes.engine_config import fleet_replicas
 
     if under_torchrun():
         return run_recipe(cfg, run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))

@@ -75,15 +75,10 @@ class Replica:
     async def timeline(self, since: int = 0) -> dict:
         """The layout timeline of the steps served after ``since`` (a ``mark()``; 0: all still kept),
         each phase and switch tagged with this replica's index."""
-        from splash_rollout.rollout.timeline import build_timeline
+        from splash_rollout.rollout.serving_loop import LoopLog
 
         loop = self.engine._loop
-        steps = list(loop.log.steps[-(loop.log.total_steps - since):]) if loop is not None and \
-            loop.log.total_steps > since else []
-        first = steps[0]["step"] if steps else None
-        later = (lambda rows: [r for r in rows if first is not None and r.get("step", -1) >= first])
-        timeline = build_timeline(steps, later(loop.log.switches) if loop else [],
-                                  later(loop.log.decisions) if loop else []).to_dict()
+        timeline = (loop.log if loop is not None else LoopLog()).timeline(since)
         for key in ("phases", "switches", "decisions"):
             for row in timeline[key]:
                 row["replica"] = self.index

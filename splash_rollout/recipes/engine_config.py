@@ -17,6 +17,15 @@ def model_source(cfg: DictConfig) -> str:
     return cfg.model.path or cfg.model.name
 
 
+def fleet_replicas(cfg: DictConfig) -> int:
+    """``engine.fleet.replicas``: engines the recipe runs (1: one engine; more: a Ray fleet)."""
+    fleet = cfg.engine.get("fleet")
+    replicas = int(fleet.replicas) if fleet is not None and fleet.get("replicas") is not None else 1
+    if replicas < 1:
+        raise ValueError(f"engine.fleet.replicas: expected an integer >= 1, got {replicas}")
+    return replicas
+
+
 def engine_config(cfg: DictConfig, **given: dict) -> EngineConfig:
     """The EngineConfig ``cfg`` describes; ``given``: fields a caller sets per group
     (``outputs={"return_routing": True}``), over the ``engine`` group's."""

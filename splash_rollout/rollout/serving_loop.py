@@ -218,6 +218,18 @@ class LoopLog:
         del self.switches[:-STEP_LOG_KEEP]
         del self.decisions[:-STEP_LOG_KEEP]
 
+    def timeline(self, since: int | None = None) -> dict:
+        """The layout timeline (``/timeline``'s JSON) of every step kept, or of those logged after
+        ``since`` (an earlier ``total_steps``) with the switches and decisions from its first step on."""
+        from splash_rollout.rollout.timeline import build_timeline
+
+        if since is None:
+            return build_timeline(self.steps, self.switches, self.decisions).to_dict()
+        steps = list(self.steps[-(self.total_steps - since):]) if self.total_steps > since else []
+        first = steps[0]["step"] if steps else None
+        later = (lambda rows: [r for r in rows if first is not None and r.get("step", -1) >= first])
+        return build_timeline(steps, later(self.switches), later(self.decisions)).to_dict()
+
 
 class ServingLoop:
     """The thread that serves submitted requests on the engine's ranks (see the module doc)."""

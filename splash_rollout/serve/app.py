@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from splash_rollout.rollout.serving_loop import LoopLog
 from splash_rollout.serve.metrics import RequestLatency
 from splash_rollout.serve.protocol import (BadRequest, Sampling, chat_logprobs, check_model, completion_logprobs,
                                            new_id, now, parse_messages, parse_prompts, parse_sampling, to_json_body,
@@ -182,7 +183,7 @@ class Server:
                 text = s.push(d.token_ids, d.logprobs)
                 if s.stopped:
                     finish[i][d.sample] = "stop"
-                    self.engine._loop.abort([handle.request_ids[d.sample]])
+                    self.engine.abort_requests([handle.request_ids[d.sample]])
                 elif d.finish_reason is not None:
                     finish[i][d.sample] = d.finish_reason
                 if finish[i][d.sample] is not None:
@@ -304,12 +305,8 @@ class Server:
                                             "owned_by": "splash_rollout", "max_model_len": self.engine.max_len}]}
 
     def timeline(self) -> dict:
-        from splash_rollout.rollout.timeline import build_timeline
-
         loop = self.engine._loop
-        if loop is None:
-            return build_timeline([], [], []).to_dict()
-        return build_timeline(loop.log.steps, loop.log.switches, loop.log.decisions).to_dict()
+        return (loop.log if loop is not None else LoopLog()).timeline()
 
 
 def make_app(engine, config: ServeConfig = ServeConfig()):
@@ -387,25 +384,23 @@ def make_app(engine, config: ServeConfig = ServeConfig()):
             return {"version": engine.weight_version}
         return await handle(request, work)
 
-    @app.post("/admin/sleep")
-    async def sleep(request: Request):
+    def set_asleep(call, asleep: bool, conflict: str):
+        """``engine.sleep`` / ``wake_up`` in a thread; the engine's refusal is a 409 ``conflict``."""
         async def work(body):
             try:
-                await asyncio.to_thread(engine.sleep)
+                await asyncio.to_thread(call)
             except RuntimeError as e:
-                raise BadRequest(str(e), status=409, code="busy") from None
-            return {"asleep": True}
-        return await handle(request, work)
+                raise BadRequest(str(e), status=409, code=conflict) from None
+            return {"asleep": asleep}
+        return work
+
+    @app.post("/admin/sleep")
+    async def sleep(request: Request):
+        return await handle(request, set_asleep(engine.sleep, True, "busy"))
 
     @app.post("/admin/wake_up")
     async def wake_up(request: Request):
-        async def work(body):
-            try:
-                await asyncio.to_thread(engine.wake_up)
-            except RuntimeError as e:
-                raise BadRequest(str(e), status=409, code="awake") from None
-            return {"asleep": False}
-        return await handle(request, work)
+        return await handle(request, set_asleep(engine.wake_up, False, "awake"))
 
     @app.post("/admin/abort_all")
     async def abort_all(request: Request):

@@ -21,7 +21,7 @@ from splash_rollout.recipes.grpo.tool_env import CalculatorEnv, ToolConfig
 from splash_rollout.recipes.grpo.trainer import TrainerConfig
 from splash_rollout.models.config import PRESETS, resolve_model
 from splash_rollout.models.model import MLAForCausalLM
-from splash_rollout.recipes.engine_config import engine_config, model_source
+from splash_rollout.recipes.engine_config import engine_config, fleet_replicas, model_source
 from splash_rollout.rollout.engine import RolloutEngine
 
 OVERLONG = ("keep", "mask", "penalty")
@@ -58,21 +58,17 @@ def build_engine(cfg: DictConfig):
     capture comes from the grpo group (the trainer replays it). With ``engine.fleet.replicas`` > 1:
     a ``Fleet`` of that many such engines, placed by Ray (one trainer process drives it)."""
     config = engine_config(cfg, outputs={"return_routing": bool(cfg.grpo.routing_replay)})
-    fleet = cfg.engine.get("fleet") or {}
-    replicas = int(fleet.get("replicas") or 1)
-    if replicas < 1:
-        raise ValueError(f"engine.fleet.replicas: expected an integer >= 1, got {replicas}")
+    replicas = fleet_replicas(cfg)
     if replicas == 1:
         return RolloutEngine(config)
     from splash_rollout.fleet import Fleet, FleetOptions
 
-    return Fleet(config, FleetOptions(replicas=replicas, ray_address=fleet.get("ray_address")))
+    return Fleet(config, FleetOptions(replicas=replicas, ray_address=cfg.engine.fleet.get("ray_address")))
 
 
 def check_fleet_options(cfg: DictConfig, oversample, partial, tools) -> None:
     """What a fleet does not run yet, refused before any work, naming the option."""
-    fleet = cfg.engine.get("fleet") or {}
-    if int(fleet.get("replicas") or 1) == 1:
+    if fleet_replicas(cfg) == 1:
         return
     for given, name in ((oversample is not None, "grpo.oversample_groups (over-sampling)"),
                         (partial is not None, "grpo.partial_rollout"), (tools is not None, "tool (multi-turn)"),
