@@ -32,10 +32,12 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from splash_rollout.engine.weight_update import DEFAULT_BUCKET_BYTES
 from splash_rollout.fleet.placement import Placement, PlacementOptions
+from splash_rollout.rollout.group_handle import GroupHandle
+from splash_rollout.models.config import resolve_model
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.types import RolloutBatch, SampleGroup, SamplingParams, Timeline
 
@@ -90,24 +92,22 @@ class FleetOptions:
             object.__setattr__(self, "placement", PlacementOptions(**self.placement))
 
 
-class FleetRequest:
-    """One prompt's group in a fleet: ``result()`` blocks, ``await`` awaits; ``replica`` is the replica
-    serving it (the last one tried)."""
+class FleetRequest(GroupHandle):
+    """One prompt's group in a fleet -- the handle ``RolloutEngine.submit`` returns, served by a
+    replica: ``result()`` blocks, ``await`` awaits, ``stream()`` yields tokens as they come (with
+    ``stream=True`` at submission; else each sample's tokens at its end), ``abort()`` /
+    ``abort_sample(i)`` end samples. ``replica`` is the replica serving it (the last one tried)."""
 
-    def __init__(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.prompt_ids, self.sampling = prompt_ids, sampling
+    def __init__(self, prompt_ids: list[int], sampling: SamplingParams, streamed: bool,
+                 abort: Callable[["FleetRequest", list[int]], None]) -> None:
+        super().__init__(prompt_ids, sampling.n, lambda samples: abort(self, samples))
+        self.sampling, self.streamed = sampling, streamed
         self.replica: int | None = None
         self.attempts = 0
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def result(self, timeout: float | None = None) -> SampleGroup:
-        return self.future.result(timeout)
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def __await__(self):
-        return asyncio.wrap_future(self.future).__await__()
+        self.aborted: set[int] = set()
+        """Samples the caller aborted: aborted again on a replica the request is resubmitted to."""
+        self.live: tuple[Any, list[int]] | None = None
+        """(actor, request ids per sample) of the replica serving it now, once that one took it."""
 
 
 @dataclass
@@ -138,7 +138,13 @@ class Fleet:
         self.weight_version = 0
         self.lost: list[dict] = []
         """Each replica lost so far: index, why, when, requests resubmitted."""
+        self.model_config = resolve_model(config.model.source)
+        self.max_len = config.model.context_limit(self.model_config)
         self._tokenizer = None
+        self._in_flight = 0
+        """Requests submitted and not ended (changed on the fleet's loop only)."""
+        self._stopping = threading.Event()
+        """Set by ``stop_serving``: ``serve_here`` returns, ``submit`` refuses."""
         self._closed = False
         self._health: concurrent.futures.Future | None = None
         self._loop = asyncio.new_event_loop()
@@ -152,16 +158,22 @@ class Fleet:
         self._health = asyncio.run_coroutine_threadsafe(self._watch(), self._loop)
 
     # ---- the API ------------------------------------------------------------------------------------
-    def submit(self, prompt, sampling: SamplingParams | None = None) -> FleetRequest:
-        """One prompt (token ids or text) and its ``n`` samples, placed on a replica at once."""
+    def submit(self, prompt, sampling: SamplingParams | None = None, stream: bool = True) -> FleetRequest:
+        """One prompt (token ids or text) and its ``n`` samples, placed on a replica at once.
+        ``stream``: its tokens come back as the replica's steps produce them (one message per step);
+        False: each sample's tokens at its end (fewer messages: what ``generate`` and ``agenerate``
+        use)."""
         if self._closed:
             raise RuntimeError("fleet: shut down")
-        request = FleetRequest(self._prompt_ids(prompt), sampling or SamplingParams())
+        if self._stopping.is_set():
+            raise RuntimeError("fleet: serving stopped (stop_serving)")
+        request = FleetRequest(self._prompt_ids(prompt), sampling or SamplingParams(), stream, self._abort_samples)
+        self._in_flight += 1
         asyncio.run_coroutine_threadsafe(self._seed_and_serve(request), self._loop)
         return request
 
     async def agenerate(self, prompt, sampling: SamplingParams | None = None) -> SampleGroup:
-        return await self.submit(prompt, sampling)
+        return await self.submit(prompt, sampling, stream=False)
 
     def generate(self, prompts: Sequence[Any] | str, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  timeout_s: float | None = None, **streaming) -> RolloutBatch:
@@ -176,15 +188,13 @@ class Fleet:
         if len(params) != len(prompts):
             raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(params)}")
         marks = {row["replica"]: row["mark"] for row in self._call(self._gather("mark", tag=True))}
-        requests = [self.submit(p, s) for p, s in zip(prompts, params)]
+        requests = [self.submit(p, s, stream=False) for p, s in zip(prompts, params)]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         groups = []
         for i, r in enumerate(requests):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             groups.append(dataclasses.replace(r.result(left), prompt_index=i))
-        timelines = self._call(self._timelines_since(marks))
-        merged = Timeline(**{key: [row for _, t in timelines for row in t[key]]
-                             for key in ("phases", "switches", "decisions", "speculation")})
+        merged = merge_timelines(self._call(self._timelines_since(marks)))
         served = [r.replica for r in requests]
         metrics = {"fleet/replicas": float(len(self._members)), "fleet/replicas_lost": float(len(self.lost)),
                    "fleet/resubmitted": float(sum(r.attempts - 1 for r in requests)),
@@ -227,6 +237,70 @@ class Fleet:
         """Per live replica, the layout timeline of what it served (its last 4,096 steps)."""
         return dict(self._call(self._timelines_since({})))
 
+    # ---- what the OpenAI server serves (serve/backend.py), as RolloutEngine has it -----------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from splash_rollout.models.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.model.tokenizer_source())
+        return self._tokenizer
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests submitted and not yet ended (all replicas)."""
+        return self._in_flight
+
+    @property
+    def serving_error(self) -> str | None:
+        """Why the fleet can serve no more (shut down, or every replica lost), or None."""
+        if self._closed:
+            return "fleet: shut down"
+        if not self._members:
+            return f"fleet: no replica left (lost: {', '.join(str(x['replica']) + ': ' + x['why'] for x in self.lost)})"
+        return None
+
+    def abort_submitted(self) -> int:
+        """Abort every request in flight on every replica (finish_reason ``abort``); returns how many."""
+        return sum(self._call(self._gather("abort_submitted")))
+
+    def serving_timeline(self) -> dict:
+        """Every replica's layout timeline (its last 4,096 steps), merged, each row tagged with its replica."""
+        return merge_timelines(self._call(self._timelines_since({}))).to_dict()
+
+    def replica_states(self) -> list[dict]:
+        """Per live replica, ``RolloutEngine.serving_state()`` and its ``replica``."""
+        return self._call(self._gather("state"))
+
+    def sleep(self) -> None:
+        """Every replica's engine gives back its memory (``RolloutEngine.sleep``), or none does: when one
+        refuses (requests in flight), those that slept wake again and its RuntimeError is raised."""
+        self._call(self._all_or_none("sleep", undo="wake_up"))
+
+    def wake_up(self) -> None:
+        """Every replica's engine takes its memory back (``RolloutEngine.wake_up``)."""
+        self._call(self._all_or_none("wake_up", undo=None))
+
+    def serve_here(self, ready: Callable[[], None] | None = None) -> None:
+        """Block until ``stop_serving()`` or ``shutdown()`` (the replicas serve in their own processes
+        and the fleet in its loop's thread; this is for a caller that serves in its main thread, as
+        ``python -m splash_rollout.serve`` does). ``ready()`` is called first."""
+        if ready is not None:
+            ready()
+        while not self._stopping.wait(0.5):  # a timeout: a signal handler of the main thread gets to run
+            if self._closed:
+                return
+
+    def stop_serving(self, timeout_s: float = 60.0) -> None:
+        """Refuse new requests, abort those in flight (handed back with finish_reason ``abort``) and
+        end ``serve_here``."""
+        self._stopping.set()
+        if not self._closed:
+            self.abort_submitted()
+            deadline = time.monotonic() + timeout_s
+            while self._in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+
     def replica_actor(self, index: int):
         """The Ray actor of replica ``index`` (to inspect or kill it)."""
         return self._members[index].actor
@@ -239,6 +313,7 @@ class Fleet:
         if self._closed:
             return
         self._closed = True
+        self._stopping.set()
         ray = _ray()
         if self._loop.is_running():
             try:
@@ -262,11 +337,7 @@ class Fleet:
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            if self._tokenizer is None:
-                from splash_rollout.models.tokenizer import load_tokenizer
-
-                self._tokenizer = load_tokenizer(self.config.model.tokenizer_source())
-            return list(self._tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(prompt))
         ids = list(prompt)
         if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt: expected a string or a non-empty list of token ids (int)")
@@ -282,26 +353,66 @@ class Fleet:
         try:
             group = await self._serve(request)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the request
-            request.future.set_exception(e)
+            request._fail(e)
         else:
-            request.future.set_result(group)
+            for i, sample in enumerate(group.samples):  # what a stream has not had yet (all, unstreamed)
+                request._advance(i, 0, sample.response_ids, sample.response_logprobs, sample.weight_version,
+                                 sample.finish_reason)
+            request._complete(group)
+        finally:
+            self._in_flight -= 1
 
     async def _serve(self, request: FleetRequest) -> SampleGroup:
+        """The request on a replica, then on the next one each time its replica is lost."""
         lost_errors = _lost_errors()
         n = request.sampling.n
         while True:
+            if not self._members:
+                raise ReplicaLost(f"fleet: no replica left to serve this request (lost: {self.lost})")
             replica = self.placement.pick(request.prompt_ids)
             request.replica, request.attempts = replica, request.attempts + 1
             self.placement.started(replica, request.prompt_ids, n)
             try:
-                return await self._members[replica].actor.generate.remote(request.prompt_ids, request.sampling)
+                return await self._follow(request, self._members[replica].actor)
             except lost_errors as e:
                 self._lose(replica, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
                 if not self.options.resubmit:
                     raise ReplicaLost(f"replica {replica} was lost while serving this request ({e}); "
                                       f"resubmit is off") from e
             finally:
+                request.live = None
                 self.placement.ended(replica, n)
+
+    async def _follow(self, request: FleetRequest, actor) -> SampleGroup:
+        """One attempt: the replica's messages (``Replica.stream``) into the request's handle. Tokens go
+        by their position in the sample, so an attempt after a lost replica hands out only what the
+        lost one had not."""
+        seen = [0] * request.n
+        messages = actor.stream.options(num_returns="streaming").remote(request.prompt_ids, request.sampling,
+                                                                           request.streamed)
+        async for ref in messages:
+            kind, payload = await ref
+            if kind == "admitted":
+                request.live = (actor, payload)
+                request._admit()
+                if request.aborted:  # aborted before (or on a replica since lost): end them here too
+                    actor.abort.remote([payload[i] for i in sorted(request.aborted)])
+            elif kind == "tokens":
+                for i, ids, logprobs, version, reason in payload:
+                    request._advance(i, seen[i], ids, logprobs, version, reason)
+                    seen[i] += len(ids)
+            else:
+                return payload
+        raise RuntimeError(f"replica {request.replica}: its stream ended before the group did")
+
+    def _abort_samples(self, request: FleetRequest, samples: list[int]) -> None:
+        """``FleetRequest.abort*`` (any thread): recorded, and sent to the replica serving it."""
+        def on_loop() -> None:
+            request.aborted.update(samples)
+            if request.live is not None:
+                actor, ids = request.live
+                actor.abort.remote([ids[i] for i in samples])
+        self._loop.call_soon_threadsafe(on_loop)
 
     def _lose(self, replica: int, why: str) -> None:
         """Take ``replica`` out: no request goes to it again, its actor and placement group go."""
@@ -411,6 +522,19 @@ class Fleet:
             rows.append(({**r} if isinstance(r, dict) else {method: r}) | {"replica": index} if tag else r)
         return rows
 
+    async def _all_or_none(self, method: str, undo: str | None) -> None:
+        """``method`` on every replica; when one refuses, ``undo`` on those that did it, then its error."""
+        members = list(self._members.items())
+        out = await asyncio.gather(*(getattr(m.actor, method).remote() for _, m in members), return_exceptions=True)
+        failed = [(i, r) for (i, _), r in zip(members, out) if isinstance(r, BaseException)]
+        if not failed:
+            return
+        if undo is not None:
+            await asyncio.gather(*(getattr(m.actor, undo).remote() for (_, m), r in zip(members, out)
+                                   if not isinstance(r, BaseException)), return_exceptions=True)
+        index, error = failed[0]
+        raise RuntimeError(f"{method}: replica {index}: {error}") from error
+
     async def _watch(self) -> None:
         """The health check: every replica answers ``info`` within the timeout, or is lost."""
         lost_errors = _lost_errors()
@@ -438,6 +562,12 @@ class Fleet:
                     undo()
                 except Exception:  # noqa: BLE001 - already gone
                     pass
+
+
+def merge_timelines(timelines: list[tuple[int, dict]]) -> Timeline:
+    """Replicas' timelines (``(replica, Timeline.to_dict())``, rows tagged with their replica) as one."""
+    return Timeline(**{key: [row for _, t in timelines for row in t.get(key, [])]
+                       for key in ("phases", "switches", "decisions", "speculation")})
 
 
 def _lost_errors() -> tuple[type[BaseException], ...]:

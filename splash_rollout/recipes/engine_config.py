@@ -1,7 +1,7 @@
 """The composed Hydra config's ``engine`` group (plus the model, seed and hardware groups) as an EngineConfig.
 
-One mapping for every entry that builds an engine from ``conf/``: the GRPO recipe
-(``recipes/grpo/build.py``) and the server (``python -m splash_rollout.serve``). Each
+One mapping for every entry that builds an engine (or a fleet of them) from ``conf/``: the GRPO
+recipe (``recipes/grpo/build.py``) and the server (``python -m splash_rollout.serve``). Each
 ``engine.<group>`` mapping is one EngineConfig group (null keeps the engine's default); the model's
 source, dtype and tokenizer, the seed and the device come from the model, seed and hardware groups.
 """
@@ -40,3 +40,16 @@ def engine_config(cfg: DictConfig, **given: dict) -> EngineConfig:
                               "tokenizer": cfg.model.tokenizer} if name == "model" else
                              {"device": cfg.hardware.device} if name == "parallel" else {}))
         for name in GROUPS})
+
+
+def build_engine_or_fleet(cfg: DictConfig, config: EngineConfig):
+    """A ``RolloutEngine`` of ``config``; with ``engine.fleet.replicas`` > 1, a ``fleet.Fleet`` of that
+    many, placed by Ray on ``engine.fleet.ray_address`` (the ``ray`` extra)."""
+    replicas = fleet_replicas(cfg)
+    if replicas == 1:
+        from splash_rollout.rollout.engine import RolloutEngine
+
+        return RolloutEngine(config)
+    from splash_rollout.fleet import Fleet, FleetOptions
+
+    return Fleet(config, FleetOptions(replicas=replicas, ray_address=cfg.engine.fleet.get("ray_address")))

@@ -73,8 +73,7 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
     dtype = TORCH_DTYPES[config.model.dtype]
     auto = config.parallel.auto
     layout = Layout.DP if auto else Layout.parse(config.parallel.layout)  # auto starts where wide batches run well
-    max_len = min(config.model.max_model_len or model_config.max_position_embeddings,
-                  model_config.max_position_embeddings)
+    max_len = config.model.context_limit(model_config)
     reserve = 0
     if cuda_graphs_expected(config):  # the graphs' memory comes out of the budget, before the pool is sized
         reserve = graph_reserve_bytes(model_config, config.batching.max_num_seqs,

@@ -50,6 +50,11 @@ class ModelOptions:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
 
+    def context_limit(self, model_config: ModelConfig) -> int:
+        """Prompt + response tokens a request may hold: ``max_model_len``, never above the model's
+        ``max_position_embeddings``."""
+        return min(self.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
     def tokenizer_source(self) -> str:
         """Where string prompts' tokenizer comes from: ``tokenizer``, else the checkpoint folder or preset."""
         if self.tokenizer is not None:

@@ -54,8 +54,7 @@ class RolloutEngine:
         self._numerics_before = numerics_mode()
         set_numerics(config.compute.numerics)
         self.model_config: ModelConfig = resolve_model(config.model.source)
-        self.max_len = min(config.model.max_model_len or self.model_config.max_position_embeddings,
-                           self.model_config.max_position_embeddings)
+        self.max_len = config.model.context_limit(self.model_config)
         t = config.parallel.world_size
         check_world_size(self.model_config, t)
         existing = initialized_world_size()
@@ -549,6 +548,51 @@ class RolloutEngine:
     def requests_in_flight(self) -> int:
         """Requests submitted (or of a generate call served through the loop) and not yet ended."""
         return self._loop.in_flight if self._loop is not None else 0
+
+    @property
+    def serving_error(self) -> str | None:
+        """Why this engine can serve no more (a failure on its ranks, or its serving loop's), or None."""
+        if self._broken is not None:
+            return self._broken
+        error = self._loop.error if self._loop is not None else None
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+    def abort_submitted(self) -> int:
+        """Abort every submitted request in flight (each ends with finish_reason ``abort``, its tokens so
+        far kept) at the next step boundary; returns how many."""
+        return self._loop.abort_all() if self._loop is not None else 0
+
+    def serving_timeline(self, since: int | None = None) -> dict:
+        """The layout timeline (``Timeline.to_dict()``) of the steps the serving loop ran -- its last
+        4,096 -- or of those after ``since`` (a ``serving_state()["total_steps"]`` read earlier)."""
+        from splash_rollout.rollout.serving_loop import LoopLog
+
+        return (self._loop.log if self._loop is not None else LoopLog()).timeline(since)
+
+    def serving_state(self) -> dict[str, Any]:
+        """What the serving loop saw after its last poll and has counted since it started: requests
+        running, waiting and in flight; KV pages used, cached and in all per rank; the layout; the
+        tokens per second over its last 64 steps (``serving_loop.RATE_STEPS``); the weight version; steps, switches,
+        prompt rows computed, prompt tokens taken from the prefix cache, tokens written and tokens
+        handed to finished requests since it started."""
+        from splash_rollout.rollout.serving_loop import RATE_STEPS, TOTALS, LoopLog
+
+        loop = self._loop
+        log = loop.log if loop is not None else LoopLog()
+        recent = log.steps[-RATE_STEPS:]
+        seconds = sum(s["seconds"] for s in recent)
+        return {"running": log.state.get("running", 0), "waiting": log.state.get("waiting", 0),
+                "in_flight": loop.in_flight if loop is not None else 0,
+                **{f"pages_{what}": list(log.state.get(f"pages_{what}", [])) for what in ("used", "cached", "total")},
+                "layout": log.state.get("layout", self.config.parallel.layout),
+                "tokens_per_second": sum(s["tokens_written"] for s in recent) / seconds if seconds > 0 else 0.0,
+                "weight_version": self.weight_version, "total_steps": log.total_steps,
+                **{key: log.totals.get(key, 0) for key in TOTALS},
+                "tokens_out": loop.tokens_out if loop is not None else 0}
+
+    def replica_states(self) -> list[dict[str, Any]]:
+        """``[serving_state()]`` tagged ``replica`` 0: to the server, one engine is a fleet of one."""
+        return [self.serving_state() | {"replica": 0}]
 
     def _fail(self, what: str, e: BaseException) -> None:
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]

@@ -18,176 +18,53 @@ every handle in flight with that error and breaks the engine, as a failed ``gene
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from splash_rollout.engine.request import Request
+from splash_rollout.rollout.group_handle import GroupHandle, TokenDelta
 from splash_rollout.rollout.ranks import RequestRecord, RequestResult, worker_serve_async
 from splash_rollout.rollout.types import Sample, SampleGroup
 
 TOTALS = ("prefill_rows", "cached_tokens", "tokens_written", "switches")
 STEP_LOG_KEEP = 4096
 """Steps of the loop's rolling log kept for ``/timeline`` and the metrics (older ones are dropped)."""
+RATE_STEPS = 64
+"""The tokens-per-second a loop reports is over its last this many steps."""
 
 
-@dataclass(frozen=True)
-class TokenDelta:
-    """New tokens of one sample of a handle since the last delta (``stream``)."""
-
-    sample: int
-    """Index of the sample in its group."""
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None = None
-    """Set on a sample's last delta."""
-
-
-class RequestHandle:
-    """One submitted prompt's group of ``n`` samples: await it, block on it, stream it, abort it."""
+class RequestHandle(GroupHandle):
+    """A prompt submitted to this engine: its samples are requests of the serving loop (one id each)."""
 
     def __init__(self, loop: "ServingLoop", requests: list[Request],
                  make_group: Callable[[dict, list[list[int]], int], SampleGroup]) -> None:
         """make_group(results by request id, per sample the weight version of each token, the version
         the group finished under) -> the group."""
-        self._loop, self.requests, self._make_group = loop, requests, make_group
+        super().__init__(list(requests[0].prompt_ids) if requests else [], len(requests),
+                         lambda samples: loop.abort([self.request_ids[i] for i in samples]))
+        self.requests, self._make_group = requests, make_group
         self.request_ids = [r.request_id for r in requests]
-        self.submitted_at = time.perf_counter()
-        self.first_token_at: float | None = None
         self._index = {rid: i for i, rid in enumerate(self.request_ids)}
         self._results: dict[int, RequestResult] = {}
-        self._tokens: list[list[int]] = [[] for _ in requests]
-        self._logprobs: list[list[float]] = [[] for _ in requests]
-        """Per sample: the tokens (and logprobs) handed out so far -- what a stream opened late replays."""
-        self._reasons: list[str | None] = [None] * len(requests)
-        self._versions: list[list[int]] = [[] for _ in requests]
-        """Per sample: the weight version each of its tokens so far was sampled under."""
-        self._done = threading.Event()
-        self._group: SampleGroup | None = None
-        self._error: BaseException | None = None
-        self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
-        self._lock = threading.Lock()
-        """Guards the tokens so far and the listeners: a delta is recorded and sent under it."""
-        self._admission: concurrent.futures.Future = concurrent.futures.Future()
-        """Set once the poll that carried the requests has run: True, or the ValueError refusing them."""
-
-    # ---- what the loop calls (its thread) ---------------------------------------------------------
-    def _add(self, i: int, token_ids: list[int], logprobs: list[float], version: int, reason: str | None) -> None:
-        """Sample ``i``'s new tokens (and its end): recorded, then sent to every listener."""
-        if token_ids and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        with self._lock:
-            self._tokens[i] += token_ids
-            self._logprobs[i] += logprobs
-            self._versions[i] += [version] * len(token_ids)
-            self._reasons[i] = reason
-            delta = TokenDelta(i, list(token_ids), list(logprobs), reason)
-            for aloop, queue in self._listeners:
-                aloop.call_soon_threadsafe(queue.put_nowait, delta)
 
     def _progress(self, request_id: int, start: int, token_ids: list[int], logprobs: list[float],
                   version: int) -> None:
         """A running sample's tokens from output position ``start`` on, sampled under ``version``."""
-        i = self._index[request_id]
-        skip = len(self._tokens[i]) - start
-        if len(token_ids) > skip:
-            self._add(i, token_ids[skip:], logprobs[skip:], version, None)
+        self._advance(self._index[request_id], start, token_ids, logprobs, version)
 
     def _finish(self, result: RequestResult, version: int) -> bool:
         """A sample ended (its last tokens sampled under ``version``); True once the whole group has."""
-        i = self._index[result.request_id]
         self._results[result.request_id] = result
-        have = len(self._tokens[i])
-        self._add(i, result.output_ids[have:], result.output_logprobs[have:], version, result.finish_reason)
+        self._advance(self._index[result.request_id], 0, result.output_ids, result.output_logprobs, version,
+                      result.finish_reason)
         if len(self._results) < len(self.requests):
             return False
-        self._group = self._make_group(self._results, self._versions, version)
-        self._close(None)
+        self._complete(self._make_group(self._results, self._versions, version))
         return True
 
-    def _admit(self) -> None:
-        if not self._admission.done():
-            self._admission.set_result(True)
-
-    def _fail(self, error: BaseException) -> None:
-        if not self._admission.done():
-            self._admission.set_exception(error)
-        self._close(error)
-
-    def _close(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
-        with self._lock:
-            for aloop, queue in self._listeners:
-                aloop.call_soon_threadsafe(queue.put_nowait, None)
-
-    # ---- the caller's side -------------------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def admitted(self, timeout: float | None = None) -> bool:
-        """Blocks until the engine has taken the requests into its queue (the next step boundary):
-        True, or raises the ValueError that refused them (no pool this engine may use holds prompt +
-        ``max_new_tokens``)."""
-        try:
-            return self._admission.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"request {self.request_ids}: not taken by the engine within {timeout} s") from None
-
-    async def wait_admitted(self) -> bool:
-        """``admitted``, awaited."""
-        return await asyncio.wrap_future(self._admission)
-
-    def result(self, timeout: float | None = None) -> SampleGroup:
-        """The group once every sample has finished (blocks; ``timeout`` seconds at most)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_ids}: not finished within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._group
-
-    async def wait(self) -> SampleGroup:
-        """The group, awaited (the event loop keeps running meanwhile)."""
-        async for _ in self.stream():
-            pass
-        return self.result(0)
-
-    def __await__(self):
-        return self.wait().__await__()
-
-    async def stream(self) -> AsyncIterator[TokenDelta]:
-        """The samples' tokens as steps produce them (every delta from the first token on, whenever
-        the stream is opened), each sample's last delta with its finish reason."""
-        queue: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-        with self._lock:
-            for i in range(len(self.requests)):  # what came before the listener, one delta per sample
-                if self._tokens[i] or self._reasons[i] is not None:
-                    queue.put_nowait(TokenDelta(i, list(self._tokens[i]), list(self._logprobs[i]), self._reasons[i]))
-            if self._done.is_set():
-                queue.put_nowait(None)
-            else:
-                self._listeners.append((aloop, queue))
-        try:
-            while True:
-                delta = await queue.get()
-                if delta is None:
-                    break
-                yield delta
-        finally:
-            with self._lock:
-                if (aloop, queue) in self._listeners:
-                    self._listeners.remove((aloop, queue))
-        if self._error is not None:
-            raise self._error
-
-    def abort(self) -> None:
-        """End the group's unfinished samples at the next step boundary (finish_reason ``abort``)."""
-        self._loop.abort(self.request_ids)
+    def _name(self) -> str:
+        return f"request {self.request_ids}"
 
 
 @dataclass

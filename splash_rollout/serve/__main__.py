@@ -1,12 +1,14 @@
 """``python -m splash_rollout.serve [overrides]``: the OpenAI-compatible server.
 
 Composes ``conf/serve.yaml`` -- the recipe's ``model``, ``engine`` and ``hardware`` groups and the
-``serve`` group -- builds the engine (spawning its ranks) and serves it with uvicorn until SIGINT or
-SIGTERM: then new requests are refused, those in flight get ``serve.drain_timeout_s`` to finish, the
-rest are aborted, and the ranks end with the server.
+``serve`` group -- builds the engine (spawning its ranks), or with ``engine.fleet.replicas`` > 1 a
+fleet of engines placed by Ray, and serves it with uvicorn until SIGINT or SIGTERM: then new
+requests are refused, those in flight get ``serve.drain_timeout_s`` to finish, the rest are aborted,
+and the ranks (replicas) end with the server.
 
     python -m splash_rollout.serve                                   # glm5-nano on 2 CPU ranks, port 8000
     python -m splash_rollout.serve serve.port=8001 engine.parallel.world_size=1 model.path=/models/ckpt
+    python -m splash_rollout.serve engine.fleet.replicas=2 engine.parallel.world_size=1   # two replicas (Ray)
 """
 from __future__ import annotations
 
@@ -39,21 +41,20 @@ def run(cfg: DictConfig) -> None:
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"python -m splash_rollout.serve needs the server stack ({e.name} is not "
                                   f"installed): pip install \"splash_rollout[serve]\"", name=e.name) from e
-    from splash_rollout.recipes.engine_config import engine_config
-    from splash_rollout.rollout.engine import RolloutEngine
+    from splash_rollout.recipes.engine_config import build_engine_or_fleet, engine_config
     from splash_rollout.rollout.process_settings import freeze_heap
     from splash_rollout.serve.app import drain, make_app
 
     config = serve_config(cfg)
-    engine = RolloutEngine(engine_config(cfg))
-    app = make_app(engine, config)
+    backend = build_engine_or_fleet(cfg, engine_config(cfg))  # a RolloutEngine or a Fleet
+    app = make_app(backend, config)
     freeze_heap()  # this process holds only the server: see process_settings
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            timeout_graceful_shutdown=max(1, int(config.drain_timeout_s) + 5)))
     http = threading.Thread(target=server.run, name="splash-http", daemon=True)
 
     def end_serving() -> None:  # after the drain: the loop hands back what it aborted, then stops
-        engine.stop_serving()
+        backend.stop_serving()
 
     def on_signal(sig, frame) -> None:  # refuse new work, drain in the HTTP thread, then stop serving
         if app.state.server.draining:
@@ -78,17 +79,19 @@ def run(cfg: DictConfig) -> None:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    replicas = len(backend.replica_states())
     print(f"splash_rollout: serving {app.state.server.model_name!r} on http://{config.host}:{config.port}/v1 "
-          f"({engine.config.parallel.world_size} rank(s), layout {engine.config.parallel.layout})", flush=True)
+          f"({replicas} engine(s) of {backend.config.parallel.world_size} rank(s), layout "
+          f"{backend.config.parallel.layout})", flush=True)
     try:
-        # The engine computes in this thread (the one that built it: see RolloutEngine.serve_here);
-        # HTTP is answered in another.
-        engine.serve_here(ready=started)
+        # One engine computes in this thread (the one that built it: see RolloutEngine.serve_here); a
+        # fleet's replicas compute in their own processes and this thread waits. HTTP is answered in another.
+        backend.serve_here(ready=started)
     finally:
         server.should_exit = True
         if http.is_alive():
             http.join(max(5.0, config.drain_timeout_s + 10))
-        engine.shutdown()
+        backend.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,12 @@
-"""The OpenAI-compatible HTTP server over a RolloutEngine: completions, chat, streaming, metrics, RL admin.
+"""The OpenAI-compatible HTTP server over a RolloutEngine or a fleet: completions, chat, streaming, metrics, RL admin.
 
 The web stack is FastAPI on uvicorn (the ``serve`` extra): the ASGI pair vLLM and SGLang serve
 their OpenAI endpoints with, maintained, with server-sent events and graceful shutdown built in.
-Every request becomes one ``RolloutEngine.submit`` per prompt (a group of ``n`` samples) and joins the
-running batch at the next step; the handlers await their handles, so thousands of requests can be
-open at once on one event loop while the engine's serving loop runs in its own thread.
+Every request becomes one ``submit`` per prompt (a group of ``n`` samples) and joins the running
+batch at the next step; the handlers await their handles, so thousands of requests can be open at
+once on one event loop while the engine's serving loop runs in its own thread. What is served is a
+``ServingBackend`` (backend.py): one ``RolloutEngine``, or a ``fleet.Fleet`` whose replicas each
+run their own batch -- the handlers cannot tell them apart.
 
 Stop strings are matched on each sample's decoded text as it grows: the first match aborts that
 sample at the next step and cuts its text there (finish_reason ``stop``). Text comes from the
@@ -22,7 +24,6 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from splash_rollout.rollout.serving_loop import LoopLog
 from splash_rollout.serve.metrics import RequestLatency
 from splash_rollout.serve.protocol import (BadRequest, Sampling, chat_logprobs, check_model, completion_logprobs,
                                            new_id, now, parse_messages, parse_prompts, parse_sampling, to_json_body,
@@ -123,10 +124,10 @@ class TextStream:
 class Server:
     """The handlers (FastAPI-free logic): what each endpoint does with a parsed body."""
 
-    def __init__(self, engine, config: ServeConfig) -> None:
-        self.engine, self.config = engine, config
-        source = engine.config.model.source
-        self.model_name = config.served_model_name or (source if isinstance(source, str) else engine.model_config.name)
+    def __init__(self, backend, config: ServeConfig) -> None:
+        self.backend, self.config = backend, config
+        source = backend.config.model.source
+        self.model_name = config.served_model_name or (source if isinstance(source, str) else backend.model_config.name)
         self.started = now()
         self.requests_total = {"ok": 0, "bad": 0, "error": 0}
         self.draining = False
@@ -134,7 +135,7 @@ class Server:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.backend.tokenizer
 
     # ---- requests ---------------------------------------------------------------------------------
     async def submit_all(self, prompts: list, sampling: Sampling) -> list:
@@ -152,7 +153,7 @@ class Server:
 
         for i, prompt in enumerate(prompts):
             try:
-                handles.append(self.engine.submit(prompt, sampling.params))  # checks the input; no wait
+                handles.append(self.backend.submit(prompt, sampling.params))  # checks the input; no wait
             except (ValueError, TypeError) as e:
                 raise refuse(i, e) from None
         for i, h in enumerate(handles):
@@ -183,7 +184,7 @@ class Server:
                 text = s.push(d.token_ids, d.logprobs)
                 if s.stopped:
                     finish[i][d.sample] = "stop"
-                    self.engine.abort_requests([handle.request_ids[d.sample]])
+                    handle.abort_sample(d.sample)
                 elif d.finish_reason is not None:
                     finish[i][d.sample] = d.finish_reason
                 if finish[i][d.sample] is not None:
@@ -194,7 +195,7 @@ class Server:
         await asyncio.gather(*(follow(i, h) for i, h in enumerate(handles)))
         self.latency.finished(time.perf_counter() - started)
         return [[{"stream": streams[i][j], "finish_reason": finish[i][j] or "abort",
-                  "prompt_ids": handles[i].requests[j].prompt_ids} for j in range(n)] for i in range(len(handles))]
+                  "prompt_ids": handles[i].prompt_ids} for j in range(n)] for i in range(len(handles))]
 
     async def completions(self, body: dict) -> dict | AsyncIterator[str]:
         started = time.perf_counter()
@@ -302,18 +303,14 @@ class Server:
     # ---- information ------------------------------------------------------------------------------
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
-                                            "owned_by": "splash_rollout", "max_model_len": self.engine.max_len}]}
-
-    def timeline(self) -> dict:
-        loop = self.engine._loop
-        return (loop.log if loop is not None else LoopLog()).timeline()
+                                            "owned_by": "splash_rollout", "max_model_len": self.backend.max_len}]}
 
 
-def make_app(engine, config: ServeConfig = ServeConfig()):
-    """The FastAPI application over ``engine`` (which it shuts down with itself)."""
+def make_app(backend, config: ServeConfig = ServeConfig()):
+    """The FastAPI application over ``backend``: a ``RolloutEngine`` or a ``fleet.Fleet``."""
     from splash_rollout.serve.metrics import render_metrics
 
-    server = Server(engine, config)
+    server = Server(backend, config)
     app = FastAPI(title="splash_rollout", version="1")
     app.state.server = server
 
@@ -355,18 +352,18 @@ def make_app(engine, config: ServeConfig = ServeConfig()):
 
     @app.get("/health")
     async def health():
-        broken = engine._broken or (engine._loop.error if engine._loop is not None else None)
+        broken = backend.serving_error
         if broken:
             return JSONResponse({"status": "error", "error": str(broken)}, status_code=503)
         return {"status": "draining" if server.draining else "ok"}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(server), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await asyncio.to_thread(render_metrics, server), media_type="text/plain; version=0.0.4")
 
     @app.get("/timeline")
     async def timeline():
-        return server.timeline()
+        return await asyncio.to_thread(backend.serving_timeline)
 
     @app.post("/admin/update_weights")
     async def update_weights(request: Request):
@@ -374,18 +371,18 @@ def make_app(engine, config: ServeConfig = ServeConfig()):
             path = body.get("path")
             if not isinstance(path, str) or not path:
                 raise BadRequest("path: expected a checkpoint folder (config.json + safetensors)", "path")
-            version = body.get("version", engine.weight_version + 1)
+            version = body.get("version", backend.weight_version + 1)
             if not isinstance(version, int) or isinstance(version, bool):
                 raise BadRequest(f"version: expected an integer, got {version!r}", "version")
             try:
-                await asyncio.to_thread(_push_checkpoint, engine, path, version)
+                await asyncio.to_thread(_push_checkpoint, backend, path, version)
             except (ValueError, TypeError, FileNotFoundError) as e:
                 raise BadRequest(f"update_weights: {e}", "path") from None
-            return {"version": engine.weight_version}
+            return {"version": backend.weight_version}
         return await handle(request, work)
 
     def set_asleep(call, asleep: bool, conflict: str):
-        """``engine.sleep`` / ``wake_up`` in a thread; the engine's refusal is a 409 ``conflict``."""
+        """``backend.sleep`` / ``wake_up`` in a thread; its refusal is a 409 ``conflict``."""
         async def work(body):
             try:
                 await asyncio.to_thread(call)
@@ -396,35 +393,35 @@ def make_app(engine, config: ServeConfig = ServeConfig()):
 
     @app.post("/admin/sleep")
     async def sleep(request: Request):
-        return await handle(request, set_asleep(engine.sleep, True, "busy"))
+        return await handle(request, set_asleep(backend.sleep, True, "busy"))
 
     @app.post("/admin/wake_up")
     async def wake_up(request: Request):
-        return await handle(request, set_asleep(engine.wake_up, False, "awake"))
+        return await handle(request, set_asleep(backend.wake_up, False, "awake"))
 
     @app.post("/admin/abort_all")
     async def abort_all(request: Request):
         async def work(body):
-            return {"aborted": engine._loop.abort_all() if engine._loop is not None else 0}
+            return {"aborted": await asyncio.to_thread(backend.abort_submitted)}
         return await handle(request, work)
 
     return app
 
 
-def _push_checkpoint(engine, path: str, version: int) -> None:
-    """A checkpoint folder's tensors pushed into the engine as ``version`` (all or nothing: a bad
-    folder changes no weight)."""
+def _push_checkpoint(backend, path: str, version: int) -> None:
+    """A checkpoint folder's tensors pushed into the engine (every replica) as ``version`` (all or
+    nothing: a bad folder changes no weight)."""
     from splash_rollout.models.weights import read_checkpoint
 
-    engine.update_weights(read_checkpoint(path, engine.model_config), version=version)
+    backend.update_weights(read_checkpoint(path, backend.model_config), version=version)
 
 
 async def drain(server: Server, timeout_s: float) -> None:
     """Refuse new requests, let those in flight finish for ``timeout_s``, then abort the rest."""
     server.draining = True
-    loop = server.engine._loop
+    backend = server.backend
     deadline = time.monotonic() + timeout_s
-    while loop is not None and loop.in_flight and time.monotonic() < deadline:
+    while backend.requests_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if loop is not None and loop.in_flight:
-        loop.abort_all()
+    if backend.requests_in_flight:
+        await asyncio.to_thread(backend.abort_submitted)

@@ -202,8 +202,11 @@ def check_model(body: dict, served: str) -> None:
 
 
 def to_json_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object; an empty body is ``{}`` (``curl -X POST .../admin/sleep``)."""
     import json
 
+    if not raw.strip():
+        return {}
     try:
         body = json.loads(raw)
     except ValueError as e:

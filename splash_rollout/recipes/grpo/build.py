@@ -21,7 +21,7 @@ from splash_rollout.recipes.grpo.tool_env import CalculatorEnv, ToolConfig
 from splash_rollout.recipes.grpo.trainer import TrainerConfig
 from splash_rollout.models.config import PRESETS, resolve_model
 from splash_rollout.models.model import MLAForCausalLM
-from splash_rollout.recipes.engine_config import engine_config, fleet_replicas, model_source
+from splash_rollout.recipes.engine_config import build_engine_or_fleet, engine_config, fleet_replicas, model_source
 from splash_rollout.rollout.engine import RolloutEngine
 
 OVERLONG = ("keep", "mask", "penalty")
@@ -57,13 +57,7 @@ def build_engine(cfg: DictConfig):
     """The engine the recipe's ``engine`` group describes (``recipes/engine_config.py``); routing
     capture comes from the grpo group (the trainer replays it). With ``engine.fleet.replicas`` > 1:
     a ``Fleet`` of that many such engines, placed by Ray (one trainer process drives it)."""
-    config = engine_config(cfg, outputs={"return_routing": bool(cfg.grpo.routing_replay)})
-    replicas = fleet_replicas(cfg)
-    if replicas == 1:
-        return RolloutEngine(config)
-    from splash_rollout.fleet import Fleet, FleetOptions
-
-    return Fleet(config, FleetOptions(replicas=replicas, ray_address=cfg.engine.fleet.get("ray_address")))
+    return build_engine_or_fleet(cfg, engine_config(cfg, outputs={"return_routing": bool(cfg.grpo.routing_replay)}))
 
 
 def check_fleet_options(cfg: DictConfig, oversample, partial, tools) -> None:
@@ -89,9 +83,7 @@ def max_prompt_len(cfg: DictConfig) -> int:
     """``data.max_prompt_len``, or what leaves room for ``grpo.max_new_tokens`` in the context."""
     if cfg.data.max_prompt_len:
         return int(cfg.data.max_prompt_len)
-    context = resolve_model(model_source(cfg)).max_position_embeddings
-    if cfg.engine.model.max_model_len:
-        context = min(context, int(cfg.engine.model.max_model_len))
+    context = engine_config(cfg).model.context_limit(resolve_model(model_source(cfg)))
     return context - int(max(cfg.grpo.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.every else 0))
 
 
