@@ -65,6 +65,7 @@ def test_the_recipe_engine_group_reaches_every_group(monkeypatch):
     from omegaconf import OmegaConf
 
     import splash_rollout.recipes.grpo.build as build
+    import splash_rollout.rollout.engine as engine_module
     from splash_rollout.run import compose_config
 
     cfg = compose_config(["+recipe=grpo_glm5", "engine.parallel.world_size=1", "engine.parallel.layout=dp",
@@ -74,7 +75,7 @@ def test_the_recipe_engine_group_reaches_every_group(monkeypatch):
                           "engine.outputs.progress=false"])
     assert set(GROUPS) <= set(OmegaConf.to_container(cfg.engine))
     seen = {}
-    monkeypatch.setattr(build, "RolloutEngine", lambda config: seen.setdefault("config", config))
+    monkeypatch.setattr(engine_module, "RolloutEngine", lambda config: seen.setdefault("config", config))
     build.build_engine(cfg)
     config = seen["config"]
     assert (config.parallel.world_size, config.parallel.layout) == (1, "dp")
