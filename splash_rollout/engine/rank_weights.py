@@ -129,9 +129,19 @@ class RankWeights:
     """Unsharded tensor name -> (shape, dtype): what weight pushes are validated against."""
 
 
+def drop_mtp_modules(model: nn.Module) -> None:
+    """A rank serves without the model's MTP modules (models/mtp.py): the engine does not draft with
+    them, so a handed-in model's are dropped (in place, their memory freed), a source's never read,
+    and a weight push's left out (``weight_update.served_part``)."""
+    decoder = getattr(model, "model", None)
+    if decoder is not None and len(getattr(decoder, "mtp_layers", ())):
+        decoder.mtp_layers = nn.ModuleList()
+
+
 def adopt(model: nn.Module, share: RankShare, device: torch.device, comm) -> RankWeights:
     """A whole in-memory model becomes this rank's, in place: moved to ``device``, then placed (its
     other ranks' parts are dropped; T = 1 keeps it whole)."""
+    drop_mtp_modules(model)
     full_shapes = full_shapes_of(model)
     model.to(device)
     shards = place(model, share, comm)
@@ -145,12 +155,14 @@ def load(config: ModelConfig, source: WeightSource, share: RankShare, dtype: tor
     own tensors only, then each filled with its part of the full tensor (parts no tensor holds are
     never read)."""
     from splash_rollout.models.model import MLAForCausalLM
+    from splash_rollout.models.mtp import is_mtp_name
 
+    config = config.replace(num_mtp_layers=0)  # see drop_mtp_modules
     model = MLAForCausalLM.skeleton(config, dtype)
     full_shapes = full_shapes_of(model)
     placed = place(model, share, comm)
     stack_rank_experts(model, device)
     shards = materialize_rank(model, placed, device)
     load_into(source, rank_targets(model, shards), {n: s for n, (s, _) in full_shapes.items()},
-              config.tie_word_embeddings)
+              config.tie_word_embeddings, unread=is_mtp_name)
     return RankWeights(model, shards, full_shapes)

@@ -20,6 +20,17 @@ from splash_rollout.engine.rank_weights import rank_targets
 from splash_rollout.models.packed_linear import PACKED
 
 
+def served_part(named, full_shapes: dict[str, tuple]):
+    """The push without the tensors of MTP modules the engine does not hold (a trainer's whole state
+    dict carries them; an engine that does not draft with them serves without them). Anything that
+    is not a dict is handed on as it is, for ``validate_update`` to refuse."""
+    from splash_rollout.models.mtp import is_mtp_name
+
+    if not isinstance(named, Mapping):
+        return named
+    return {n: t for n, t in named.items() if n in full_shapes or not is_mtp_name(str(n))}
+
+
 def validate_update(named: dict[str, torch.Tensor], full_shapes: dict[str, tuple], check_finite: bool = True) -> None:
     """full_shapes: name -> (shape, dtype) of the unsharded model. Raises naming the first problem;
     touches nothing, so a rejected push leaves the serving weights as they were.

@@ -37,7 +37,6 @@ from typing import Any, Callable, Sequence
 from splash_rollout.engine.weight_update import DEFAULT_BUCKET_BYTES
 from splash_rollout.fleet.placement import Placement, PlacementOptions
 from splash_rollout.rollout.group_handle import GroupHandle
-from splash_rollout.models.config import resolve_model
 from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.rollout.types import RolloutBatch, SampleGroup, SamplingParams, Timeline
 
@@ -138,7 +137,7 @@ class Fleet:
         self.weight_version = 0
         self.lost: list[dict] = []
         """Each replica lost so far: index, why, when, requests resubmitted."""
-        self.model_config = resolve_model(config.model.source)
+        self.model_config = config.served_model()
         self.max_len = config.model.context_limit(self.model_config)
         self._tokenizer = None
         self._in_flight = 0

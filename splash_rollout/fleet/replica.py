@@ -66,11 +66,12 @@ class Replica:
         """Phase one of a fleet push: fetch every bucket (object references, each a dict of full
         tensors) and validate the whole push against this engine's parameters, changing nothing. A
         ValueError names the first problem; the push is then discarded everywhere."""
-        from splash_rollout.engine.weight_update import validate_update
+        from splash_rollout.engine.weight_update import served_part, validate_update
 
         named: dict = {}
         for part in await asyncio.gather(*buckets):
             named.update(part)
+        named = served_part(named, self.engine._full_shapes)
         await asyncio.to_thread(validate_update, named, self.engine._full_shapes, True)
         self._staged = (push, named)
 

@@ -56,6 +56,9 @@ class ModelConfig:
     """Tokens each query attends to under DSA."""
     indexer_types: tuple[str, ...] = ()
     """Per layer ``full`` (runs its indexer) or ``shared`` (reuses the previous full layer's top-k)."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction modules after the decoder (HF ``num_nextn_predict_layers``; DeepSeek-V3
+    and GLM-5 ship one): module k predicts the token k + 1 ahead (models/mtp.py)."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = None
@@ -81,6 +84,8 @@ class ModelConfig:
             object.__setattr__(self, "indexer_types", ("full",) * self.num_layers)
         if self.indexer_types and len(self.indexer_types) != self.num_layers:
             raise ValueError(f"indexer_types: expected {self.num_layers} entries, got {len(self.indexer_types)}")
+        if not isinstance(self.num_mtp_layers, int) or self.num_mtp_layers < 0:
+            raise ValueError(f"num_mtp_layers: expected an integer >= 0, got {self.num_mtp_layers!r}")
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -103,9 +108,14 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
+    def indexer_type(self, layer: int) -> str:
+        """``full`` or ``shared`` for a decoder layer; an MTP module's layer (``layer >= num_layers``)
+        always runs its own indexer."""
+        return self.indexer_types[layer] if layer < self.num_layers else "full"
+
     def layer_has_indexer_cache(self, layer: int) -> bool:
         """Whether this layer caches indexer keys (``shared`` layers reuse another layer's top-k)."""
-        return self.has_indexer and self.indexer_types[layer] == "full"
+        return self.has_indexer and self.indexer_type(layer) == "full"
 
     @property
     def num_indexer_cache_layers(self) -> int:
@@ -157,6 +167,7 @@ class ModelConfig:
             "first_k_dense_replace", "index_n_heads", "index_head_dim", "index_topk", "indexer_types",
             "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave",
             "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+            "num_nextn_predict_layers",
         }
         return cls(
             name=label,
@@ -184,6 +195,7 @@ class ModelConfig:
             index_head_dim=int(raw.get("index_head_dim", 0)) if has_index else 0,
             index_topk=int(raw.get("index_topk", 0)) if has_index else 0,
             indexer_types=indexer_types,
+            num_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None,
@@ -232,6 +244,7 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
             "hidden_act": "silu",
             "attention_bias": False,
+            "num_nextn_predict_layers": self.num_mtp_layers,
         }
         if self.has_indexer:
             d.update(index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim,
@@ -254,7 +267,7 @@ PRESETS: dict[str, ModelConfig] = {
         qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048,
         n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
         routed_scaling_factor=2.5, first_k_dense_replace=3, rope_theta=10000.0,
-        rope_scaling=_DEEPSEEK_YARN, max_position_embeddings=163840, eos_token_ids=(1,)),
+        rope_scaling=_DEEPSEEK_YARN, max_position_embeddings=163840, eos_token_ids=(1,), num_mtp_layers=1),
     # DeepSeek-V3.2: V3 plus the DSA lightning indexer (64 heads x 128, top-2048).
     "deepseek-v3.2": ModelConfig(
         name="deepseek-v3.2", model_type="deepseek_v32", vocab_size=129280, hidden_size=7168,
@@ -263,7 +276,7 @@ PRESETS: dict[str, ModelConfig] = {
         n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
         routed_scaling_factor=2.5, first_k_dense_replace=3, index_n_heads=64, index_head_dim=128,
         index_topk=2048, rope_theta=10000.0, rope_scaling=_DEEPSEEK_YARN,
-        max_position_embeddings=163840, eos_token_ids=(1,)),
+        max_position_embeddings=163840, eos_token_ids=(1,), num_mtp_layers=1),
     # GLM-5 (glm_moe_dsa, 78 layers): MLA + DSA indexer (32 x 128, top-2048) + MoE.
     "glm-5": ModelConfig(
         name="glm-5", model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, num_layers=78,
@@ -271,7 +284,8 @@ PRESETS: dict[str, ModelConfig] = {
         v_head_dim=256, intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256,
         n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.5,
         first_k_dense_replace=3, index_n_heads=32, index_head_dim=128, index_topk=2048,
-        rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=202752, eos_token_ids=(1,)),
+        rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=202752, eos_token_ids=(1,),
+        num_mtp_layers=1),
     # Kimi K2 (DeepSeek-V3 architecture, 64 heads, 384 experts).
     "kimi-k2": ModelConfig(
         name="kimi-k2", model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=61,
@@ -285,13 +299,14 @@ PRESETS: dict[str, ModelConfig] = {
     # GLM-5 scaled to two CPU cores: same structure (MLA + DSA + MoE with a shared expert and a
     # first dense layer). Heads and experts divide by 1, 2, 4 and 8; index_topk is small so the
     # indexer really selects on prompts of a few hundred tokens. Vocab matches the shipped tokenizer.
+    # One MTP module, as GLM-5 ships.
     "glm5-nano": ModelConfig(
         name="glm5-nano", model_type="glm_moe_dsa", vocab_size=512, hidden_size=128, num_layers=4,
         num_heads=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, intermediate_size=384, moe_intermediate_size=96, n_routed_experts=8,
         n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5,
         first_k_dense_replace=1, index_n_heads=4, index_head_dim=32, index_topk=64, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=0, eos_token_ids=(1,)),
+        rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=0, eos_token_ids=(1,), num_mtp_layers=1),
 }
 
 

@@ -45,7 +45,7 @@ class MLAAttention(nn.Module):
         self.o_proj = Linear(h * self.v_dim, config.hidden_size, bias=False)
         self.index_topk = config.index_topk if config.has_indexer else 0
         """Keys a query attends at most under DSA (0: no selection)."""
-        self.uses_shared_topk = config.has_indexer and config.indexer_types[layer_idx] == "shared"
+        self.uses_shared_topk = config.has_indexer and config.indexer_type(layer_idx) == "shared"
         self.indexer = Indexer(config, rotary) if config.has_indexer and not self.uses_shared_topk else None
         self._rotary = (rotary,)  # shared across layers, kept out of the module tree
 

@@ -65,6 +65,10 @@ class MLAModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        from splash_rollout.models.mtp import MTPLayer  # it builds on DecoderLayer (above)
+
+        self.mtp_layers = nn.ModuleList(MTPLayer(config, k, self.rotary_emb) for k in range(config.num_mtp_layers))
+        """The MTP modules (models/mtp.py), after the decoder; the decoder's layer loop never runs them."""
 
 
 class MLAForCausalLM(nn.Module):
@@ -81,6 +85,33 @@ class MLAForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, S] (right padded), attention_mask [B, S] bool (True = real token) ->
         logits [B, S, vocab]. Causal; padded keys are never attended."""
+        hidden, _ = self._decoder(input_ids, attention_mask)
+        b, s = input_ids.shape
+        return self.compute_logits(hidden.reshape(b * s, -1)).view(b, s, -1)
+
+    def forward_with_mtp(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward``'s logits [B, S, vocab] and, per MTP module k = 1 .. num_mtp_layers, its logits
+        [B, S - k, vocab]: row i predicts token i + k + 1 from the depth before's state at i (for
+        k = 1 the decoder's final-normed state) and the embedding of token i + k (models/mtp.py). A
+        row whose inputs reach a padded token is meaningless (mask it with ``attention_mask[:, k:]``)."""
+        hidden, allowed = self._decoder(input_ids, attention_mask)
+        b, s = input_ids.shape
+        logits = self.compute_logits(hidden.reshape(b * s, -1)).view(b, s, -1)
+        state, positions, out = self.model.norm(hidden), torch.arange(s, device=input_ids.device), []
+        for k, layer in enumerate(self.model.mtp_layers, start=1):
+            if s - k <= 0:
+                out.append(logits.new_zeros(b, 0, logits.shape[-1]))
+                continue
+            x = layer.combine(self.model.embed_tokens(input_ids[:, k:]), state[:, :s - k])
+            state, _ = layer(x, positions[:s - k], allowed[:, :s - k, :s - k], None)
+            out.append(self.lm_head(layer.shared_head.norm(state)))
+        return logits, out
+
+    def _decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's last hidden states [B, S, hidden] (before the final norm) and the attention
+        rule it used [B, S, S] (causal, padded keys never attended)."""
         b, s = input_ids.shape
         device = input_ids.device
         causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
@@ -92,7 +123,7 @@ class MLAForCausalLM(nn.Module):
         selected = None
         for layer in self.model.layers:
             hidden, selected = layer(hidden, positions, allowed, selected)
-        return self.compute_logits(hidden.reshape(b * s, -1)).view(b, s, -1)
+        return hidden, allowed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (last layer output, before the final norm) -> logits [N, vocab]."""

@@ -21,7 +21,12 @@ from the page cache into its parameter. It understands:
   ceil(in/b)], b = 128 unless ``quantization_config.weight_block_size`` says otherwise),
   dequantised to float32 slice by slice (only the scale blocks a slice touches) before the cast to
   the model dtype;
-* MTP layers (index >= num_hidden_layers, ``num_nextn_predict_layers``), skipped with a note.
+* MTP modules (layers at index >= num_hidden_layers, ``num_nextn_predict_layers``): read under the
+  model's names (``model.mtp_layers.{k}.*``, models/mtp.py) when the config asks for them
+  (``ModelConfig.num_mtp_layers``), their copies of the embedding and LM head left out (they are the
+  main model's); layers beyond that are skipped with a note. A checkpoint whose config declares MTP
+  modules but whose files hold none of their tensors (transformers' ``save_pretrained`` drops
+  them) loads without them, with a note.
 
 ``PresetSource`` is a preset's seeded random init, one tensor at a time; ``StateSource`` a dict of
 full tensors. Errors name the tensor: missing names, unexpected names, shape mismatches (expected
@@ -35,18 +40,19 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 from safetensors.torch import save_file
 
 from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.mtp import SHARED_WITH_MAIN, checkpoint_name
+from splash_rollout.models.mtp import model_name as mtp_model_name
 from splash_rollout.models.safetensors_file import SafetensorsFile
 
 log = logging.getLogger(__name__)
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_PACKED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PACKED_RE = re.compile(r"^(model\.(?:layers|mtp_layers)\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_FP8_BLOCK = (128, 128)
@@ -129,6 +135,10 @@ class WeightSource(abc.ABC):
         """The values of ``full[name][index]`` (any dtype; the caller casts). May be a view of the
         source: copy it before the next read."""
 
+    def stored_name(self, name: str) -> str:
+        """The name a model tensor has where this source keeps it (what its errors say)."""
+        return name
+
     def close(self) -> None:
         """Release what the source holds open (files)."""
 
@@ -178,36 +188,38 @@ class CheckpointSource(WeightSource):
         self.block = tuple(quant.get("weight_block_size", DEFAULT_FP8_BLOCK))
         self.files = [SafetensorsFile(f) for f in checkpoint_files(self.path)]
         self.skipped_layers: set[int] = set()
-        """MTP layers (index >= num_hidden_layers) present in the files and not modelled."""
+        """MTP layers (index >= num_hidden_layers + num_mtp_layers) present in the files and not read."""
         self._stored: dict[str, _Stored] = {}
         self._begin: dict[str, tuple[int, int]] = {}
         self._index_files()
         if self.skipped_layers:
-            log.info("checkpoint %s: skipped MTP layers %s (num_nextn_predict_layers=%s); not modelled",
-                     self.path, sorted(self.skipped_layers), self.config.extra.get("num_nextn_predict_layers"))
+            log.info("checkpoint %s: skipped MTP layers %s (the model reads %d MTP module(s))",
+                     self.path, sorted(self.skipped_layers), self.config.num_mtp_layers)
 
     def _index_files(self) -> None:
         scales = {key: i for i, f in enumerate(self.files) for key in f.entries if key.endswith("_scale_inv")}
         for i, f in enumerate(self.files):
             for key, entry in f.entries.items():
-                m = _LAYER_RE.match(key)
-                if m and int(m.group(1)) >= self.config.num_layers:
-                    self.skipped_layers.add(int(m.group(1)))
-                    continue
                 if key.endswith("weight_scale_inv") or _IGNORED.search(key):
+                    continue
+                name, depth = mtp_model_name(key, self.config)
+                if depth is not None and depth >= self.config.num_mtp_layers:
+                    self.skipped_layers.add(self.config.num_layers + depth)
+                    continue
+                if name is None:  # an MTP module's copy of the embedding / LM head: the main model's
                     continue
                 scale = key + "_scale_inv"
                 if entry.dtype in _FP8 and scale not in scales:
                     raise CheckpointError(f"{key}: float8 weight without {scale}")
                 scale = (scales[scale], scale) if entry.dtype in _FP8 else None
-                packed = _PACKED_RE.match(key)
+                packed = _PACKED_RE.match(name)
                 if packed:
                     if scale is not None:
                         raise CheckpointError(f"{key}: packed float8 experts are not supported; ship them per expert")
                     self._add_packed(i, key, entry.shape, *packed.groups())
                 else:
-                    self._stored[key] = _Stored(i, key, entry.shape, (), scale)
-                    self._begin[key] = (i, entry.begin)
+                    self._stored[name] = _Stored(i, key, entry.shape, (), scale)
+                    self._begin[name] = (i, entry.begin)
 
     def _add_packed(self, file: int, key: str, shape: tuple[int, ...], prefix: str, kind: str) -> None:
         experts, rows, cols = shape
@@ -226,6 +238,10 @@ class CheckpointSource(WeightSource):
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: s.shape for name, s in self._stored.items()}
+
+    def stored_name(self, name: str) -> str:
+        """An MTP module's tensors are ``model.layers.{num_layers + k}.*`` in the files."""
+        return checkpoint_name(name, self.config)
 
     def order(self) -> list[str]:
         return sorted(self._stored, key=lambda n: self._begin[n])
@@ -326,13 +342,17 @@ class Target:
     index: Index = ()
 
 
-def check_source(source: WeightSource, full_shapes: Mapping[str, tuple], tied: bool = False) -> None:
+def check_source(source: WeightSource, full_shapes: Mapping[str, tuple], tied: bool = False,
+                 unread: Callable[[str], bool] | None = None) -> None:
     """Raise CheckpointError listing missing / unexpected names and every shape mismatch between a
     source and the full model (``full_shapes``: name -> shape); with ``tied`` the LM head may be
-    absent (it is the embedding)."""
-    have = source.shapes()
-    missing = sorted(n for n in full_shapes if n not in have and not (tied and n == "lm_head.weight"))
-    unexpected = sorted(n for n in have if n not in full_shapes)
+    absent (it is the embedding); names for which ``unread(name)`` holds may be in the source and
+    not in the model (an engine's rank leaves a checkpoint's MTP modules unread)."""
+    have = {n: shape for n, shape in source.shapes().items()
+            if n in full_shapes or unread is None or not unread(n)}
+    shown = source.stored_name
+    missing = sorted(shown(n) for n in full_shapes if n not in have and not (tied and n == "lm_head.weight"))
+    unexpected = sorted(shown(n) for n in have if n not in full_shapes)
     problems: list[str] = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {_preview(missing)}")
@@ -340,18 +360,18 @@ def check_source(source: WeightSource, full_shapes: Mapping[str, tuple], tied: b
         problems.append(f"unexpected tensors ({len(unexpected)}): {_preview(unexpected)}")
     for name, shape in have.items():
         if name in full_shapes and tuple(full_shapes[name]) != tuple(shape):
-            problems.append(f"shape mismatch for {name}: expected {tuple(full_shapes[name])}, got {tuple(shape)}")
+            problems.append(f"shape mismatch for {shown(name)}: expected {tuple(full_shapes[name])}, got {tuple(shape)}")
     if problems:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(problems))
 
 
 @torch.no_grad()
 def load_into(source: WeightSource, targets: Mapping[str, list[Target]], full_shapes: Mapping[str, tuple],
-              tied: bool = False) -> None:
+              tied: bool = False, unread: Callable[[str], bool] | None = None) -> None:
     """Copy into every target the part of its full tensor it holds, reading the source in its
     cheapest order; names no target holds (another rank's experts) are never read. Checked first
     (``check_source``), so a mismatched source changes nothing."""
-    check_source(source, full_shapes, tied)
+    check_source(source, full_shapes, tied, unread)
     for name in source.order():
         for target in targets.get(name, ()):
             part = source.read(name, target.index)
@@ -388,12 +408,31 @@ def read_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None) 
         return {name: source.read(name).clone() for name in source.order()}
 
 
+def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
+    """The folder's ``config.json``, with the MTP modules its files actually hold: a config that
+    declares some whose tensors are all absent (a ``save_pretrained`` of transformers' model drops
+    them) gets ``num_mtp_layers=0`` and a note; some present and others missing is an error at load."""
+    config = ModelConfig.from_hf(path)
+    if config.num_mtp_layers:
+        files = [SafetensorsFile(f) for f in checkpoint_files(os.fspath(path))]
+        try:
+            held = any(mtp_model_name(key, config)[1] is not None for f in files for key in f.entries)
+        finally:
+            for f in files:
+                f.close()
+        if not held:
+            log.info("checkpoint %s: config.json declares %d MTP module(s) (num_nextn_predict_layers) but the files "
+                     "hold none of their tensors; loaded without them", os.fspath(path), config.num_mtp_layers)
+            config = config.replace(num_mtp_layers=0)
+    return config
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """A whole MLAForCausalLM from a HF checkpoint folder (for a trainer): made without storage,
     given its storage, then filled tensor by tensor from the memory-mapped files."""
     from splash_rollout.models.model import MLAForCausalLM, materialize
 
-    config = ModelConfig.from_hf(path)
+    config = checkpoint_config(path)
     model = MLAForCausalLM.skeleton(config, dtype)
     shapes = {n: s for n, (s, _) in full_shapes_of(model).items()}
     materialize(model, "cpu")
@@ -403,11 +442,17 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
 
 
 def save_checkpoint(model, path: str | os.PathLike) -> None:
-    """Write ``config.json`` + ``model.safetensors`` with HF names (readable by ``load_checkpoint``)."""
+    """Write ``config.json`` + ``model.safetensors`` with HF names (readable by ``load_checkpoint``);
+    MTP modules under their published names, with their copies of the embedding and LM head."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    config = model.config
+    state = {checkpoint_name(k, config): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    for depth in range(config.num_mtp_layers):  # the MTP modules' copies of the embedding and head, as published
+        for suffix, main in SHARED_WITH_MAIN.items():
+            main = "model.embed_tokens.weight" if config.tie_word_embeddings else main
+            state[f"model.layers.{config.num_layers + depth}.{suffix}"] = state[main].clone()
+    if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

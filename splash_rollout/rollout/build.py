@@ -136,7 +136,7 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
     """This rank's Engine for an EngineConfig (collective: every rank calls it)."""
     apply_cpu_process_settings(config.compute, config.parallel.device)
     set_numerics(config.compute.numerics)
-    model_config = resolve_model(config.model.source)
+    model_config = config.served_model()
     device = rank_device(config, groups.rank)
     bind_device(device)
     settings = dataclasses.replace(engine_settings(config, model_config, groups.world_size), device=device)

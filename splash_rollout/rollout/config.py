@@ -121,6 +121,14 @@ class EngineConfig:
             raise ValueError("compute.attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
                              f"memory.page_size={self.memory.page_size}, model.dtype={self.model.dtype!r}")
 
+    def served_model(self):
+        """The ``ModelConfig`` the engine builds: ``model.source`` resolved, without its MTP modules
+        (models/mtp.py) -- the engine does not draft with them, so it neither loads nor holds them
+        (a checkpoint's are skipped with a note, a weight push's are left out)."""
+        from splash_rollout.models.config import resolve_model
+
+        return resolve_model(self.model.source).replace(num_mtp_layers=0)
+
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with some groups (or, for this release, flat names) changed."""
         current = {name: getattr(self, name) for name in GROUPS}

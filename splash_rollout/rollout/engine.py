@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.engine.weight_update import DEFAULT_BUCKET_BYTES, validate_update
+from splash_rollout.engine.weight_update import DEFAULT_BUCKET_BYTES, served_part, validate_update
 from splash_rollout.models.config import ModelConfig, resolve_model
 from splash_rollout.models.numerics import numerics_mode, set_numerics
 from splash_rollout.rollout.config import EngineConfig
@@ -53,7 +53,7 @@ class RolloutEngine:
         # process-wide while the engine lives: a trainer in this process computes like the engine
         self._numerics_before = numerics_mode()
         set_numerics(config.compute.numerics)
-        self.model_config: ModelConfig = resolve_model(config.model.source)
+        self.model_config: ModelConfig = config.served_model()
         self.max_len = config.model.context_limit(self.model_config)
         t = config.parallel.world_size
         check_world_size(self.model_config, t)
@@ -657,9 +657,12 @@ class RolloutEngine:
         its count) is rejected as a whole before any weight changes, and the old weights keep
         serving. ``check_finite`` reads the push once (one sum per tensor), here in the calling
         process: less than the copy the update makes (30-300 ms per 100 MB on a loaded 2-core CPU,
-        ~400 ms for one copy). ``version`` is stamped on later samples."""
+        ~400 ms for one copy). ``version`` is stamped on later samples. Tensors of the model's MTP
+        modules (``model.mtp_layers.*``, which a trainer's state dict carries) are left out: the
+        engine does not hold them (``EngineConfig.served_model``)."""
         self._check_usable("update_weights")
         self._check_awake("update_weights")
+        named_tensors = served_part(named_tensors, self._full_shapes)
         validate_update(named_tensors, self._full_shapes, check_finite)  # here, before anything is sent
         self._guarded("update_weights", lambda: self._host.push_weights(dict(named_tensors), bucket_bytes))
         if version is not None:
