@@ -11,7 +11,8 @@ from tests.pinned_profile import PINNED_PROFILE
 pytestmark = pytest.mark.usefixtures("no_leftover_process_group")
 
 REQUIRED = ("step", "reward/mean", "rollout/response_len/mean", "perf/tokens_per_s", "layout/switches",
-            "train/loss", "train/clip_frac", "train/grad_norm", "timing_s/rollout")
+            "train/loss", "train/clip_frac", "train/grad_norm", "timing_s/rollout", "mtp/loss", "mtp/accept_top1",
+            "mtp/accept_coupled")
 TINY = ["+recipe=grpo_glm5", "sft.steps=2", "sft.batch_size=8", "sft.warmup_steps=1", "grpo.steps=2",
         "grpo.prompts_per_step=4", "grpo.n=4", "grpo.max_new_tokens=16", "trainer.micro_batch_size=8",
         "logger.kind=none", "hardware.threads=1", "eval.every=0"]

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from splash_rollout.recipes.grpo.dynamic_sampling import OversampleConfig
 from splash_rollout.recipes.grpo.evaluation import EvalConfig
 from splash_rollout.recipes.grpo.loss import GRPOLossConfig
+from splash_rollout.recipes.grpo.mtp_training import MTPTrainingConfig
 from splash_rollout.recipes.grpo.partial_rollout import PartialRolloutConfig
 from splash_rollout.recipes.grpo.process_credit import Supervision
 from splash_rollout.recipes.grpo.rollout_correction import RolloutCorrectionConfig
@@ -38,6 +39,19 @@ def build_policy(cfg: DictConfig) -> MLAForCausalLM:
     return model.to(cfg.hardware.device)
 
 
+def load_policy_state(model: torch.nn.Module, state: dict, what: str) -> None:
+    """``state`` into ``model``, strictly -- except that a state saved without the model's MTP module
+    (``model.mtp_layers.*``: an older run's policy) leaves that module as it is, with a note."""
+    from splash_rollout.models.mtp import is_mtp_name
+
+    own = model.state_dict()
+    missing = [n for n in own if n not in state]
+    if missing and all(is_mtp_name(n) for n in missing):
+        print(f"[grpo] {what}: saved without the MTP module; it keeps its initial weights", flush=True)
+        state = {**{n: own[n] for n in missing}, **state}
+    model.load_state_dict(state, strict=True)
+
+
 def load_reference(path: str, like: torch.nn.Module, dtype: str) -> torch.nn.Module:
     """A frozen reference policy from ``grpo.ref_path``: a saved state dict (``.pt``, e.g. an
     earlier run's sft_policy.pt) or an HF checkpoint folder of the same architecture."""
@@ -47,7 +61,7 @@ def load_reference(path: str, like: torch.nn.Module, dtype: str) -> torch.nn.Mod
         import copy
 
         ref = copy.deepcopy(like)
-        ref.load_state_dict(torch.load(path, map_location="cpu"), strict=True)
+        load_policy_state(ref, torch.load(path, map_location="cpu"), "grpo.ref_path")
     else:
         raise FileNotFoundError(f"grpo.ref_path: {path!r} is neither a state-dict file nor a checkpoint folder")
     return ref.to(next(like.parameters()).device).eval().requires_grad_(False)
@@ -92,6 +106,15 @@ def trainer_config(cfg: DictConfig) -> TrainerConfig:
     return TrainerConfig(backend=t.backend, zero_stage=t.zero_stage, lr=t.lr, weight_decay=t.weight_decay,
                          betas=tuple(t.betas), grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
                          micro_batch_tokens=t.micro_batch_tokens, dist_backend=t.dist_backend)
+
+
+def mtp_training_config(cfg: DictConfig) -> MTPTrainingConfig:
+    """``grpo.mtp`` (absent: the defaults): how the model's MTP module trains beside the policy."""
+    given = cfg.grpo.get("mtp")
+    fields = OmegaConf.to_container(given) if given is not None else {}
+    if "betas" in fields:
+        fields["betas"] = tuple(fields["betas"])
+    return MTPTrainingConfig(**fields)
 
 
 def sft_config(cfg: DictConfig) -> SFTConfig:

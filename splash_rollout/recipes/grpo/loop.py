@@ -7,6 +7,7 @@
         rewards    = run.rollout.rewards(groups)                     # reward.fn
         advantages = supervision.advantages(shape(rewards))          # per sample, or per token (process)
         stats      = grpo_update(trainer, groups.batch, advantages)  # train (ZeRO-2 over the ranks)
+        mtp_stats  = run.mtp.learn(groups.batch)                     # the MTP module follows the policy
         engine.update_weights(weights, version=step + 1)             # the engine samples the new policy
         log_step(...); run.save_if_due(step)                         # metrics.jsonl, W&B; resume=<run dir>
     finish(run)                                                      # final eval, timeline, reward.png, summary
@@ -75,11 +76,17 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
         with timed(timings, "train"):
             train_stats = grpo_update(trainer, groups.batch, advantages, run.update, run.tokenizer.pad_token_id,
                                       step, run.ref_model, policy_version=groups.policy_version)
+        with timed(timings, "train_mtp"):  # after the policy's step, on its states: drafts follow the new policy
+            samples = groups.batch.samples
+            mtp_stats = run.mtp.learn([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                      run.tokenizer.pad_token_id, [s.loss_mask for s in samples],
+                                      [s.spec for s in samples])
         with timed(timings, "push_weights"):
             run.engine_memory.before_push(engine)
             engine.update_weights(trainer.named_weights(), version=step + 1)
         timings["timing_s/step"] = sum(timings.values())
-        metrics = {**step_metrics(groups.batch, rewards, scored, timings), **shape_stats, **train_stats, **memory,
+        metrics = {**step_metrics(groups.batch, rewards, scored, timings), **shape_stats, **train_stats, **mtp_stats,
+                   **memory,
                    **extra, **groups.oversample_counts, **groups.partial_counts,
                    "train/lr": run.schedule.lr_at(step), "grpo_step": float(step)}
         log_step(run, step, metrics, groups, rewards)

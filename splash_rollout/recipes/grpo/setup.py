@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.recipes.grpo import checkpoint as ckpt
-from splash_rollout.recipes.grpo.build import (build_engine_with_weights, check_fleet_options, build_policy, eval_config, load_reference,
+from splash_rollout.recipes.grpo.build import (build_engine_with_weights, check_fleet_options, build_policy, eval_config, load_policy_state, load_reference,
                                                loss_config, lr_schedule, max_prompt_len, model_source,
-                                               oversample_config, partial_rollout_config, sft_config,
+                                               mtp_training_config, oversample_config, partial_rollout_config, sft_config,
                                                supervision_config, tool_env, trainer_config)
 from splash_rollout.recipes.grpo.engine_memory import EngineMemory
 from splash_rollout.recipes.grpo.evaluation import EvalConfig, evaluate_per_prompt
@@ -38,6 +38,7 @@ from splash_rollout.recipes.grpo.sft import run_sft
 from splash_rollout.recipes.grpo.step_rollout import StepRollout
 from splash_rollout.recipes.grpo.task_data import PromptOrder, TaskData, build_task_data
 from splash_rollout.recipes.grpo.tool_demos import sft_target
+from splash_rollout.recipes.grpo.mtp_training import MTPTrainer
 from splash_rollout.recipes.grpo.trainer import Trainer
 from splash_rollout.recipes.grpo.update import UpdateConfig
 from splash_rollout.reporting import MetricsSink, NoOpSink, make_sink
@@ -62,6 +63,8 @@ class GRPORun:
     schedule: Any
     """The learning-rate schedule (``lr_at(step)``, ``to_dict()``)."""
     trainer: Trainer
+    mtp: MTPTrainer
+    """The model's MTP module, trained beside the policy (mtp_training.py)."""
     ref_model: torch.nn.Module | None
     own_reference: bool
     """The KL reference is the post-SFT policy (kept in checkpoints) rather than ``grpo.ref_path``."""
@@ -204,9 +207,9 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
         ckpt.check_carried(state, folder, partial is not None)
         restored = (state, ckpt.load_rank_files(folder, state, rank))
         # before the trainer exists: ZeRO takes its fp32 master copy at deepspeed.initialize
-        policy.load_state_dict(restored[1]["policy"], strict=True)
+        load_policy_state(policy, restored[1]["policy"], "resume")
     elif s.load:  # a saved warm start (sft_policy.pt of an earlier run) replaces SFT
-        policy.load_state_dict(torch.load(s.load, map_location="cpu"), strict=True)
+        load_policy_state(policy, torch.load(s.load, map_location="cpu"), "sft.load")
 
     # ---- outputs: a resumed run drops what the interrupted one logged after its checkpoint
     sink: MetricsSink = NoOpSink()
@@ -226,6 +229,8 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
 
     # ---- the policy: checkpoint, or SFT (unless a warm start was loaded)
     trainer = Trainer(policy, trainer_config(cfg), rank=rank, world_size=world_size, temperature=g.temperature)
+    mtp = MTPTrainer(trainer.model, mtp_training_config(cfg), rank, world_size, trainer.config.micro_batch_size,
+                     trainer.config.micro_batch_tokens)
     sft_summary = {}
     if restored is not None:
         trainer.load_optimizer_state(restored[1]["optimizer"])
@@ -233,10 +238,11 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
         sft_summary = run_sft(trainer, tokenizer, data.sft, sft_cfg, trainer.config.micro_batch_size,
                               log=lambda m, i: log_sft(sink, m, i, rank, cfg.logger.log_sft),
                               targets=(lambda ex: sft_target(ex, tokenizer, tools)) if tools else None,
-                              micro_batch_tokens=trainer.config.micro_batch_tokens)
+                              micro_batch_tokens=trainer.config.micro_batch_tokens, mtp=mtp)
         if rank == 0 and s.save:
             torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
         trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
+    mtp.freeze_baseline()  # the module GRPO starts from, measured beside the one that keeps training
 
     ref_model, own_reference = None, False
     if losses.kl_coef > 0:
@@ -271,7 +277,7 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
                               stop_token_ids=stop_ids)
     return GRPORun(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, tokenizer=tokenizer,
                    reward_fn=reward_fn, evaluation=evaluation, data=data, losses=losses, supervision=supervision, schedule=schedule,
-                   trainer=trainer, ref_model=ref_model, own_reference=own_reference, update=update,
+                   trainer=trainer, mtp=mtp, ref_model=ref_model, own_reference=own_reference, update=update,
                    engine=engine, rollout=rollout,
                    engine_memory=EngineMemory(release=bool(cfg.engine.sleep_during_train)),
                    sampling=sampling, sink=sink, fingerprint=fingerprint, start=start,

@@ -45,11 +45,12 @@ def nll_loss(normalizer: float) -> Callable[[torch.Tensor, TrainBatch], tuple[to
 def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SFTConfig, micro_batch_size: int,
             log: Callable[[dict[str, float], int], None] | None = None,
             targets: Callable[[Example], tuple[list[int], list[int]]] | None = None,
-            micro_batch_tokens: int | None = None) -> dict[str, float]:
+            micro_batch_tokens: int | None = None, mtp=None) -> dict[str, float]:
     """Train on ``prompt ids -> target<eos>`` (``Example.prompt_ids`` as the engine will see them,
     so a chat template's ids are what SFT teaches), cycling through ``examples``; returns the last
     logged loss and the time taken. ``targets(example) -> (ids, loss mask)`` replaces the target
-    (eos included), e.g. a tool demonstration whose environment replies carry mask 0."""
+    (eos included), e.g. a tool demonstration whose environment replies carry mask 0. ``mtp``: an
+    ``MTPTrainer`` whose module learns the same sequences after each step (mtp_training.py)."""
     eos = tokenizer.eos_token_ids[0]
     rank, world = trainer.rank, trainer.world_size
     t0, last = time.perf_counter(), {}
@@ -72,8 +73,9 @@ def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SF
                  for ids in plan]
         trainer.set_lr(lr_at(step, config))
         stats = trainer.optimizer_step(micro, nll_loss(normalizer), temperature=1.0)
+        mtp_stats = mtp.learn(prompts, responses, tokenizer.pad_token_id, masks) if mtp is not None else {}
         if log is not None and (step % config.log_every == 0 or step == config.steps - 1):
             last = {"sft/loss": stats["loss"], "sft/grad_norm": stats["grad_norm"], "sft/lr": lr_at(step, config),
-                    "timing_s/sft": time.perf_counter() - t0}
+                    **{f"sft/{k}": v for k, v in mtp_stats.items()}, "timing_s/sft": time.perf_counter() - t0}
             log(last, step)
     return {**last, "timing_s/sft": time.perf_counter() - t0}

@@ -131,7 +131,12 @@ class Trainer:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.temperature = temperature
         ensure_process_group(rank, world_size, config.dist_backend)
-        params = [p for p in model.parameters() if p.requires_grad]
+        from splash_rollout.models.mtp import is_mtp_name
+
+        # the policy's parameters: the MTP modules' are trained apart (mtp_training.py), never by this
+        # optimizer, its clipping or its ZeRO master copy
+        params = [p for n, p in model.named_parameters() if p.requires_grad and not is_mtp_name(n)]
+        self._params = params
         if config.backend == "deepspeed":
             import deepspeed
 
@@ -221,8 +226,7 @@ class Trainer:
         Costs one sum per parameter; only used for DeepSpeed over more than one rank."""
         if self.engine is None or self.world_size == 1:
             return None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.stack([p.sum() for p in params]).sum() * 0.0
+        return torch.stack([p.sum() for p in self._params]).sum() * 0.0
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -263,12 +267,12 @@ class Trainer:
             self.engine.step()
             norm = self.engine.get_global_grad_norm()
             return float(norm) if norm is not None else float("nan")
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self._params if p.grad is not None]
         if self.world_size > 1:
             # every rank reduces every trainable parameter, in one order: an MoE expert that got no
             # token on this rank has no gradient here but may have one on another rank, and the
             # replicas must take the same step (a zero gradient stands in for the missing one)
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            params = list(self._params)
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

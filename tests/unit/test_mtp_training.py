@@ -1,0 +1,65 @@
+"""The MTP module trained beside the policy: it learns (its loss falls, its drafts are kept more often),
+it never touches the policy (nor the policy's optimizer it), and its coupled acceptance uses the
+engine's own draws (a perfect draft model is kept every time)."""
+from __future__ import annotations
+
+import torch
+
+from splash_rollout.models.config import PRESETS
+from splash_rollout.models.model import MLAForCausalLM
+from splash_rollout.recipes.grpo.mtp_training import MTPTrainer, MTPTrainingConfig, coupled_drafts
+from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
+
+CFG = PRESETS["glm5-nano"]
+PROMPTS = [[5 + i, 6, 7] for i in range(6)]
+RESPONSES = [[(11 * i + 3 * k) % 40 + 20 for k in range(12)] for i in range(6)]  # a pattern two ahead can learn
+
+
+def _split(model):
+    mtp = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("model.mtp_layers.")}
+    rest = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("model.mtp_layers.")}
+    return mtp, rest
+
+
+def test_the_module_learns_and_the_policy_does_not_move(one_torch_thread, no_leftover_process_group):
+    model = MLAForCausalLM.from_config(CFG, seed=1)
+    trainer = Trainer(model, TrainerConfig(backend="torch", lr=1e-3))
+    mtp = MTPTrainer(trainer.model, MTPTrainingConfig(lr=3e-3))
+    mtp.freeze_baseline()
+    mtp_before, policy_before = _split(trainer.model)
+    first = mtp.learn(PROMPTS, RESPONSES, pad_id=0)
+    for _ in range(40):
+        last = mtp.learn(PROMPTS, RESPONSES, pad_id=0)
+    assert last["mtp/loss"] < 0.6 * first["mtp/loss"], (first, last)
+    assert last["mtp/accept_top1"] > first["mtp/accept_top1"] + 0.3
+    assert abs(last["mtp_frozen/accept_top1"] - first["mtp/accept_top1"]) < 1e-9  # the frozen copy stayed put
+    mtp_after, policy_after = _split(trainer.model)
+    assert all(torch.equal(policy_before[n], p) for n, p in policy_after.items())  # the policy: untouched
+    assert not all(torch.equal(mtp_before[n], p) for n, p in mtp_after.items())
+
+    # a policy step leaves the module alone (its parameters are not the policy optimizer's)
+    batch = collate(PROMPTS, RESPONSES, pad_id=0)
+    trainer.optimizer_step([batch], lambda lp, mb: (-(lp * mb.loss_mask).sum() / mb.loss_mask.sum(), {}))
+    mtp_stepped, policy_stepped = _split(trainer.model)
+    assert all(torch.equal(mtp_after[n], p) for n, p in mtp_stepped.items())
+    assert not all(torch.equal(policy_after[n], p) for n, p in policy_stepped.items())
+
+
+def test_a_perfect_draft_model_is_kept_every_time_under_coupling(one_torch_thread):
+    """Coupled drafts drawn from the policy's own logits with each sample's uniform are the sampled
+    tokens: the draw index and the sampler are the engine's."""
+    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    config = EngineConfig(model="glm5-nano", compute={"numerics": "reproducible", "speculation": "off"},
+                          memory={"num_pages": 64, "page_size": 16})
+    with RolloutEngine(config) as engine:
+        batch = engine.generate(PROMPTS[:3], SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=10,
+                                                            ignore_eos=True, seed=4))
+        model = engine.model
+        for s in batch.samples:
+            with torch.no_grad():
+                logits = model(torch.tensor([s.prompt_ids + s.response_ids]))[0]
+            p = len(s.prompt_ids)
+            rows = logits[p - 1: p - 1 + len(s.response_ids)]  # row k draws response token k
+            got = coupled_drafts(rows, [s.spec] * len(rows), list(range(len(rows))))
+            assert got.tolist() == s.response_ids
