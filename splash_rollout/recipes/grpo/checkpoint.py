@@ -92,9 +92,11 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: str, state: RunState, rank: int, policy: dict[str, torch.Tensor],
                     optimizer: dict[str, Any], reference: dict[str, torch.Tensor] | None,
-                    timelines: list, timeout_s: float = 600.0, carried: list | None = None) -> str:
+                    timelines: list, timeout_s: float = 600.0, carried: list | None = None,
+                    mtp: dict[str, Any] | None = None) -> str:
     """Every rank calls this; rank 0 writes ``state.json`` once all ranks' files exist. ``carried``:
-    the partial-rollout carry (``Carry.state_dict()``; the same on every rank)."""
+    the partial-rollout carry (``Carry.state_dict()``; the same on every rank); ``mtp``: the MTP
+    module's optimizer and frozen baseline (``MTPTrainer.state_dict()``; the same on every rank)."""
     folder = step_dir(run_dir, state.step)
     os.makedirs(folder, exist_ok=True)
     _atomic_save(optimizer, os.path.join(folder, f"optimizer_rank{rank}.pt"))
@@ -107,6 +109,8 @@ def save_checkpoint(run_dir: str, state: RunState, rank: int, policy: dict[str, 
     _atomic_save(timelines, os.path.join(folder, "timelines.pt"))
     if carried is not None:
         _atomic_save(carried, os.path.join(folder, "carried.pt"))
+    if mtp is not None:
+        _atomic_save(mtp, os.path.join(folder, "mtp.pt"))
     deadline = time.monotonic() + timeout_s
     for r in range(state.world_size):
         for kind in ("optimizer", "rng"):
@@ -170,4 +174,5 @@ def load_rank_files(folder: str, state: RunState, rank: int) -> dict[str, Any]:
            "rng": load(f"rng_rank{rank}.pt"), "timelines": load("timelines.pt")}
     out["reference"] = load("reference.pt") if state.has_reference else None
     out["carried"] = load("carried.pt") if os.path.isfile(os.path.join(folder, "carried.pt")) else []
+    out["mtp"] = load("mtp.pt") if os.path.isfile(os.path.join(folder, "mtp.pt")) else None
     return out

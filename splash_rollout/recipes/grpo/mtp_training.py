@@ -83,6 +83,18 @@ class MTPTrainer:
         if self.active and self.config.measure_frozen:
             self.frozen = copy.deepcopy(self.model.model.mtp_layers).eval().requires_grad_(False)
 
+    def state_dict(self) -> dict:
+        """Its optimizer and its frozen baseline (what a checkpoint keeps; the weights are the model's)."""
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "frozen": self.frozen.state_dict() if self.frozen is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("frozen") is not None and self.active:
+            self.frozen = copy.deepcopy(self.model.model.mtp_layers).eval().requires_grad_(False)
+            self.frozen.load_state_dict(state["frozen"])
+
     # ---- a step -------------------------------------------------------------------------------------
     def learn(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
               masks: Sequence[Sequence[int]] | None = None, specs: Sequence | None = None) -> dict[str, float]:

@@ -133,7 +133,8 @@ class GRPORun:
         ckpt.save_checkpoint(self.run_dir, state, self.rank, self.trainer.named_weights(),
                              self.trainer.optimizer_state(),
                              self.ref_model.state_dict() if self.own_reference else None, self.timelines,
-                             carried=carry.state_dict() if carry is not None else None)
+                             carried=carry.state_dict() if carry is not None else None,
+                             mtp=self.mtp.state_dict() if self.mtp.active else None)
 
 
 def _configure_process(cfg: DictConfig, rank: int) -> None:
@@ -242,7 +243,10 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
         if rank == 0 and s.save:
             torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
         trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
-    mtp.freeze_baseline()  # the module GRPO starts from, measured beside the one that keeps training
+    if restored is not None and restored[1]["mtp"] is not None:
+        mtp.load_state_dict(restored[1]["mtp"])
+    else:
+        mtp.freeze_baseline()  # the module GRPO starts from, measured beside the one that keeps training
 
     ref_model, own_reference = None, False
     if losses.kl_coef > 0:
