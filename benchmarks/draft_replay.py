@@ -10,11 +10,21 @@ every request of a call steps together; each step every running request proposes
 its recorded continuation plus one token, and the drafter observes what was kept. Step seconds come
 from lines fitted to the recorded steps (fixed + per row, plain and drafted apart).
 
-The bound is an oracle that drafts the policy's own most likely token at every position -- what a
-perfect draft model (e.g. MTP heads) would propose: its kept prefix is the run of positions where
-the sampled token was the argmax (the model run over the recorded sequences). Per drafter: target
-steps, drafted tokens kept per drafted token, ``acceptance_len`` (tokens a verified request
-yields), and the estimated wall and tail (batch <= 1/8 of its peak) ratios against no speculation.
+The policy's MTP module (when the policy carries one: the recipe trains it beside the policy) drafts
+as an engine would (``MTPDrafter``): the first draft from the decoder's state and the last verified
+token, later ones chained from the module's own state, each either the module's argmax or --
+``coupled`` -- the engine sampler's draw from the module's distribution with the sample's own
+uniform for that token, which is kept whenever the two distributions put that uniform on the same
+token. Drafting's own cost is each chained pass priced as a share of a plain step over the drafting
+rows (the share timed here: the module's layer and the head against the decoder and the head).
+
+An argmax oracle drafts the policy's own most likely token at every position: its kept prefix is the
+run of positions where the sampled token was the argmax (the model run over the recorded
+sequences). It bounds argmax drafts, not coupled ones: drawn from the policy's own distribution with
+the sample's uniform, a draft is the sampled token every time. Per drafter: target steps, drafted
+tokens kept per drafted token, ``acceptance_len`` (tokens a verified request yields), the kept share
+per draft position, and the estimated wall and tail (batch <= 1/8 of its peak) ratios against no
+speculation.
 
     python benchmarks/draft_replay.py --policy P --json docs/results/draft_replay.json
 """
@@ -78,10 +88,16 @@ class StepCost:
         return float(fixed), float(per_row)
 
 
-def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, cap: int = 8) -> dict:
-    """Step every call's samples together under a drafter (``propose(request, room) -> draft``)."""
+def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, cap: int = 8,
+           draft_seconds=None) -> dict:
+    """Step every call's samples together under a drafter (``propose(request, room) -> draft``).
+    ``draft_seconds(requests drafting, longest draft)``: what drafting itself costs a step (a draft
+    model's passes; None: nothing, as for the n-gram index)."""
     tot = dict(steps=0, steps_off=0, drafted=0, kept=0, verified=0, seconds=0.0, seconds_off=0.0, tail=0.0,
                tail_off=0.0)
+    reached, accepted = [0] * cap, [0] * cap
+    """Per draft position j (0-based): verifications whose drafts 0..j-1 were all kept, and of those
+    the ones that kept draft j as well."""
     rid = 0
     for call in calls:
         reqs = [Replayed(rid + i, s["prompt"], s["response"]) for i, s in enumerate(call)]
@@ -101,6 +117,8 @@ def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, 
                 drafts[r.request_id] = tuple(propose(r, room)) if room > 0 else ()
             rows = sum(1 + len(d) for d in drafts.values())
             sec = cost.seconds(rows, any(drafts.values()))
+            if draft_seconds is not None and any(drafts.values()):
+                sec += draft_seconds(sum(bool(d) for d in drafts.values()), max(len(d) for d in drafts.values()))
             tot["steps"] += 1
             tot["seconds"] += sec
             tot["tail"] += sec if len(running) <= TAIL_FRACTION * peak else 0.0
@@ -112,6 +130,9 @@ def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, 
                     kept += 1
                 r.output_ids = r.truth[: at + kept + 1]
                 observe(r, len(draft), kept)
+                for j in range(min(kept + 1, len(draft))):
+                    reached[j] += 1
+                    accepted[j] += j < kept
                 tot["drafted"] += len(draft)
                 tot["kept"] += kept
                 tot["verified"] += bool(draft)
@@ -124,7 +145,8 @@ def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, 
             "kept_per_drafted": tot["kept"] / max(1, tot["drafted"]),
             "acceptance_len": (tot["kept"] + tot["verified"]) / max(1, tot["verified"]),
             "est_wall_ratio": tot["seconds_off"] / tot["seconds"],
-            "est_tail_ratio": tot["tail_off"] / max(1e-12, tot["tail"])}
+            "est_tail_ratio": tot["tail_off"] / max(1e-12, tot["tail"]),
+            "accept_by_position": [a / r for a, r in zip(accepted, reached) if r]}
 
 
 def argmax_flags(calls: list[list[dict]], weights: dict, config) -> dict[tuple[int, int], list[bool]]:
@@ -147,6 +169,41 @@ def argmax_flags(calls: list[list[dict]], weights: dict, config) -> dict[tuple[i
     return flags
 
 
+def policy_model(weights: dict):
+    """The recipe's model holding ``weights`` (with its MTP module when they carry one)."""
+    from splash_rollout.models.config import PRESETS
+    from splash_rollout.models.model import MLAForCausalLM
+
+    has_mtp = any(n.startswith("model.mtp_layers.") for n in weights)
+    model = MLAForCausalLM(PRESETS["glm5-nano"].replace(num_mtp_layers=1 if has_mtp else 0))
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
+def mtp_pass_share(model, rows: int = 16, repeats: int = 50) -> float:
+    """Seconds of one MTP pass (its layer and the LM head over ``rows`` one-token rows) over those of
+    the decoder and head on the same rows, timed here: what a chained draft costs per position."""
+    import torch
+
+    ids = torch.arange(rows)[:, None] + 5
+    layer = model.model.mtp_layers[0]
+    allowed = torch.ones(rows, 1, 1, dtype=torch.bool)
+    x = torch.randn(rows, 1, model.config.hidden_size)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    with torch.no_grad():
+        full = best(lambda: model(ids))
+        mtp = best(lambda: layer.shared_head.norm(layer(x, torch.arange(1), allowed, None)[0]) @ model.lm_head.weight.T)
+    return mtp / full
+
+
 class OracleDrafter:
     """Drafts the policy's argmax: kept up to the first position where the sample was not it."""
 
@@ -164,6 +221,72 @@ class OracleDrafter:
             kept += 1
         # the kept prefix is the sample's own tokens; the argmax drafts after the first miss stand as -1
         return r.truth[at: at + kept] + [-1] * (room - kept)
+
+    def observe(self, r: Replayed, drafted: int, kept: int) -> None:
+        pass
+
+    def finished(self, r: Replayed) -> None:
+        pass
+
+
+class MTPDrafter:
+    """Drafts from the policy's MTP module as an engine would: draft 1 for response token k from the
+    decoder's final-normed state at the position before token k - 1 and that token (the module's
+    teacher-forced row: both are verified by then); draft j > 1 chained from the module's own output
+    state and draft j - 1, attending over the module's states of the verified positions. ``coupled``:
+    each draft is the engine sampler's draw from the module's distribution with the sample's own
+    uniform for that token (its seed, its response index); else the module's argmax. A draft is
+    computed only as far as the kept prefix reaches: past the first miss every token is rejected
+    whatever it is (proposed as -1)."""
+
+    def __init__(self, calls: list[list[dict]], model, coupled: bool) -> None:
+        import torch
+
+        self.model, self.coupled, self.samples = model, coupled, {}
+        self.draft_passes = 0
+        """MTP-layer passes over one row that drafting took (the cost an engine would pay)."""
+        rid = 0
+        with torch.no_grad():
+            for call in calls:
+                for s in call:
+                    ids = torch.tensor([s["prompt"] + s["response"]])
+                    hidden, allowed = model._decoder(ids, None)
+                    state, embeds = model.model.norm(hidden), model.model.embed_tokens(ids)
+                    layer = model.model.mtp_layers[0]
+                    x = layer.combine(embeds[:, 1:], state[:, :-1])  # row i: (state_i, token i + 1)
+                    self.samples[rid] = (s, x[0], len(s["prompt"]))
+                    rid += 1
+
+    def _pick(self, logits, spec, draw: int) -> int:
+        from splash_rollout.recipes.grpo.mtp_training import coupled_drafts
+
+        if self.coupled:
+            return int(coupled_drafts(logits[None], [spec], [draw])[0])
+        return int(logits.argmax())
+
+    def propose(self, r: Replayed, room: int) -> list[int]:
+        import torch
+
+        s, rows, p = self.samples[r.request_id]
+        at = len(r.output_ids)  # response tokens verified; the draft starts at response index ``at``
+        if at < 1 or room <= 0:  # the prefill's step samples token 0: no module state before it
+            return []
+        layer, head = self.model.model.mtp_layers[0], self.model.lm_head.weight
+        inputs = [rows[: p + at - 1]]  # teacher-forced rows 0 .. p + at - 2 (the last predicts token ``at``)
+        draft: list[int] = []
+        with torch.no_grad():
+            while len(draft) < room:
+                x = torch.cat(inputs)[None]
+                n = x.shape[1]
+                out, _ = layer(x, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()[None], None)
+                self.draft_passes += 1
+                logits = layer.shared_head.norm(out[0, -1]) @ head.T
+                token = self._pick(logits, s["spec"], at + len(draft))
+                draft.append(token)
+                if token != s["response"][at + len(draft) - 1]:
+                    break  # the rest is rejected whatever it is
+                inputs.append(layer.combine(self.model.model.embed_tokens(torch.tensor([token])), out[0, -1:]))
+        return draft + [-1] * (room - len(draft))
 
     def observe(self, r: Replayed, drafted: int, kept: int) -> None:
         pass
@@ -212,7 +335,8 @@ def record(policy: str, calls: int, threads: int) -> tuple[list[list[dict]], lis
                 batch = engine.generate(prompts[8 * c: 8 * c + 8], params)
                 logs[arm].extend(captured[-1])
                 if arm == "off":
-                    recorded.append([{"prompt": s.prompt_ids, "response": s.response_ids} for s in batch.samples])
+                    recorded.append([{"prompt": s.prompt_ids, "response": s.response_ids, "spec": s.spec}
+                                     for s in batch.samples])
             engine.shutdown()
     finally:
         rollout_engine.build_timeline = build_timeline
@@ -242,6 +366,19 @@ def main() -> int:
     for name, kwargs in drafters.items():
         d = SuffixDrafter(**kwargs)
         results[name] = replay(calls, d.propose, d.observe, d.finished, cost)
+    model = policy_model(weights)
+    if model.model.mtp_layers:
+        share = mtp_pass_share(model)
+        print(f"an MTP pass (its layer and the head over the drafting rows) ~ {share:.2f} of a plain step", flush=True)
+        for coupled in (False, True):
+            for cap in (1, 2, 4):
+                d = MTPDrafter(calls, model, coupled)
+                name = f"MTP {'coupled' if coupled else 'argmax'}, cap {cap}"
+                results[name] = replay(calls, d.propose, d.observe, d.finished, cost, cap=cap,
+                                       draft_seconds=lambda n, k: k * share * cost.seconds(n, False))
+                print(f"{name}: {d.draft_passes} chained passes", flush=True)
+    else:
+        print("the policy has no MTP module: no MTP drafts", flush=True)
     oracle = OracleDrafter(calls, argmax_flags(calls, weights, PRESETS["glm5-nano"]))
     for cap in (2, 4, 8):
         results[f"oracle argmax, cap {cap}"] = replay(calls, oracle.propose, oracle.observe, oracle.finished, cost,

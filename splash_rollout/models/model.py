@@ -82,31 +82,39 @@ class MLAForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, mtp: str | None = None):
         """input_ids [B, S] (right padded), attention_mask [B, S] bool (True = real token) ->
-        logits [B, S, vocab]. Causal; padded keys are never attended."""
-        hidden, _ = self._decoder(input_ids, attention_mask)
-        b, s = input_ids.shape
-        return self.compute_logits(hidden.reshape(b * s, -1)).view(b, s, -1)
+        logits [B, S, vocab]. Causal; padded keys are never attended.
 
-    def forward_with_mtp(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``forward``'s logits [B, S, vocab] and, per MTP module k = 1 .. num_mtp_layers, its logits
-        [B, S - k, vocab]: row i predicts token i + k + 1 from the depth before's state at i (for
-        k = 1 the decoder's final-normed state) and the embedding of token i + k (models/mtp.py). A
-        row whose inputs reach a padded token is meaningless (mask it with ``attention_mask[:, k:]``)."""
+        ``mtp="attached"`` / ``"detached"``: also, per MTP module k = 1 .. num_mtp_layers, its logits
+        [B, S - k, vocab] -- row i predicts token i + k + 1 from the depth before's state at i (for
+        k = 1 the decoder's final-normed state) and the embedding of token i + k (models/mtp.py); a row
+        whose inputs reach a padded token is meaningless. Returns (logits, [mtp logits]). Detached:
+        the modules read the decoder's states, the embedding and the LM head without gradient, so a
+        loss on their logits trains the MTP modules alone."""
         hidden, allowed = self._decoder(input_ids, attention_mask)
         b, s = input_ids.shape
         logits = self.compute_logits(hidden.reshape(b * s, -1)).view(b, s, -1)
-        state, positions, out = self.model.norm(hidden), torch.arange(s, device=input_ids.device), []
+        if mtp is None:
+            return logits
+        if mtp not in ("attached", "detached"):
+            raise ValueError(f"mtp: expected None, 'attached' or 'detached', got {mtp!r}")
+        return logits, self._mtp_logits(input_ids, hidden, allowed, detached=mtp == "detached")
+
+    def _mtp_logits(self, input_ids: torch.Tensor, hidden: torch.Tensor, allowed: torch.Tensor,
+                    detached: bool) -> list[torch.Tensor]:
+        b, s = input_ids.shape
+        cut = (lambda t: t.detach()) if detached else (lambda t: t)
+        state, positions, out = cut(self.model.norm(hidden)), torch.arange(s, device=input_ids.device), []
+        head = cut(self.lm_head.weight)
         for k, layer in enumerate(self.model.mtp_layers, start=1):
             if s - k <= 0:
-                out.append(logits.new_zeros(b, 0, logits.shape[-1]))
+                out.append(hidden.new_zeros(b, 0, head.shape[0]))
                 continue
-            x = layer.combine(self.model.embed_tokens(input_ids[:, k:]), state[:, :s - k])
+            x = layer.combine(cut(self.model.embed_tokens(input_ids[:, k:])), state[:, :s - k])
             state, _ = layer(x, positions[:s - k], allowed[:, :s - k, :s - k], None)
-            out.append(self.lm_head(layer.shared_head.norm(state)))
-        return logits, out
+            out.append(torch.nn.functional.linear(layer.shared_head.norm(state), head))
+        return out
 
     def _decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:

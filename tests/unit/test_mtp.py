@@ -72,17 +72,23 @@ def published(model, tmp_path_factory):
 
 def test_mtp_logits_follow_the_published_equations(model):
     ids = torch.randint(0, CFG.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
-    logits, (mtp,) = model.forward_with_mtp(ids)
+    logits, (mtp,) = model(ids, mtp="attached")
     assert torch.equal(logits, model(ids)) and mtp.shape == (2, 10, CFG.vocab_size)
     torch.testing.assert_close(mtp, reference_mtp_logits(model, ids), atol=1e-5, rtol=1e-5)
+    _, (detached,) = model(ids, mtp="detached")
+    assert torch.equal(detached, mtp) and detached.requires_grad
+    detached.sum().backward()  # trains the module alone: nothing reaches the decoder, embedding or head
+    assert model.model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
+    assert model.model.mtp_layers[0].eh_proj.weight.grad is not None
+    model.zero_grad(set_to_none=True)
 
 
 def test_a_mtp_row_sees_only_its_past(model):
     ids = torch.randint(0, CFG.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
     changed = ids.clone()
     changed[0, 7:] = (ids[0, 7:] + 1) % CFG.vocab_size  # tokens 7, 8: row i reads tokens <= i + 1
-    _, (a,) = model.forward_with_mtp(ids)
-    _, (b,) = model.forward_with_mtp(changed)
+    _, (a,) = model(ids, mtp="attached")
+    _, (b,) = model(changed, mtp="attached")
     torch.testing.assert_close(a[:, :6], b[:, :6], atol=1e-6, rtol=1e-5)  # batched MoE sums in another order
     assert not torch.allclose(a[:, 6], b[:, 6])
 

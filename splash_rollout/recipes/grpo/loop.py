@@ -6,8 +6,8 @@
         groups     = run.rollout.generate(engine, sampling)          # rollout (every rank: the whole batch)
         rewards    = run.rollout.rewards(groups)                     # reward.fn
         advantages = supervision.advantages(shape(rewards))          # per sample, or per token (process)
-        stats      = grpo_update(trainer, groups.batch, advantages)  # train (ZeRO-2 over the ranks)
-        mtp_stats  = run.mtp.learn(groups.batch)                     # the MTP module follows the policy
+        mtp_stats  = run.mtp.measure(groups.batch)                   # the MTP module's drafts of it: kept?
+        stats      = grpo_update(trainer, groups.batch, advantages)  # train (ZeRO-2 over the ranks), MTP too
         engine.update_weights(weights, version=step + 1)             # the engine samples the new policy
         log_step(...); run.save_if_due(step)                         # metrics.jsonl, W&B; resume=<run dir>
     finish(run)                                                      # final eval, timeline, reward.png, summary
@@ -73,14 +73,13 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             shaped, shape_stats = shape(run, rewards, groups.batch)  # overlong, KL in the reward
         advantages = run.supervision.advantages(shaped, scored, groups.batch, run.tokenizer)
         memory = run.engine_memory.before_train(engine)
-        with timed(timings, "train"):
-            train_stats = grpo_update(trainer, groups.batch, advantages, run.update, run.tokenizer.pad_token_id,
-                                      step, run.ref_model, policy_version=groups.policy_version)
-        with timed(timings, "train_mtp"):  # after the policy's step, on its states: drafts follow the new policy
+        with timed(timings, "measure_mtp"):  # how often its drafts of this rollout would have been kept
             samples = groups.batch.samples
-            mtp_stats = run.mtp.learn([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                      run.tokenizer.pad_token_id, [s.loss_mask for s in samples],
-                                      [s.spec for s in samples])
+            mtp_stats = run.mtp.measure([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                        run.tokenizer.pad_token_id, [s.spec for s in samples])
+        with timed(timings, "train"):  # the policy, and the MTP module on the same forward
+            train_stats = grpo_update(trainer, groups.batch, advantages, run.update, run.tokenizer.pad_token_id,
+                                      step, run.ref_model, policy_version=groups.policy_version, mtp=run.mtp)
         with timed(timings, "push_weights"):
             run.engine_memory.before_push(engine)
             engine.update_weights(trainer.named_weights(), version=step + 1)

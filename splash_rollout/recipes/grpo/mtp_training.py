@@ -4,23 +4,26 @@ Why: drafts from the MTP module (models/mtp.py) are only worth what it predicts 
 policy's text; one left at its post-SFT weights drafts what an older policy would have written while
 GRPO moves on (the GLM team's slime keeps it training during RL for this reason). Here:
 
-* its own AdamW over the MTP parameters only, and its own step after each policy step on the same
-  sequences -- the policy's loss, gradient clipping and optimizer never see it, so the policy trains
-  token for token as it would without it (``Trainer`` leaves the MTP parameters out);
-* its inputs are the decoder's final-normed states and the shared embedding, and its head the shared
-  LM head, all without gradient: it learns to predict the policy, never the policy to suit it;
-* its loss is the cross entropy of the token two ahead over the trained tokens (SFT: the reference
-  solutions; GRPO: the rollout's responses), averaged over them;
-* each rank trains on its share of the sequences and the module's gradients are averaged over the
-  ranks, so its replicas stay equal.
+* its loss is a term of the policy's own forward and backward (``Trainer.optimizer_step(...,
+  mtp=)``; the model's ``forward(..., mtp="detached")``): the module reads the decoder's
+  final-normed states, the shared embedding and the shared LM head without gradient, so the term
+  trains the module alone -- it learns to predict the policy, never the policy to suit it -- and the
+  decoder's forward is not run twice;
+* its own AdamW steps after the policy's (``step``): the policy's optimizer, gradient clipping and
+  ZeRO master copy leave the MTP parameters out, so the policy trains token for token as it would
+  without the module;
+* the loss is the cross entropy of the token two ahead over the trained tokens that have a draft
+  (SFT: the reference solutions; GRPO: the rollout's responses), averaged over them; the module's
+  gradients are averaged over the ranks, so its replicas stay equal.
 
-Reported per step: ``mtp/loss``; ``mtp/accept_top1``, the share of response tokens (from the second
-on: the first has no draft) that equal the module's argmax -- an argmax draft kept; with the
-samples' sampling settings (GRPO), ``mtp/accept_coupled``, the share equal to the token the engine's
-sampler draws from the module's distribution with the sample's own uniform for that token (sampler
-and draws: engine/sampler.py, engine/random_draws.py) -- a draft that shares the sample's
-randomness, kept whenever the two distributions put that uniform on the same token. ``mtp_frozen/*``:
-the same for the module as it was after SFT (``freeze_baseline``), measured on the same states.
+Measured (``measure``, on a step's first ``measure_samples`` samples, before the module trains on
+them): ``mtp/accept_top1``, the share of response tokens (from the second on: the first has no
+draft) equal to the module's argmax -- an argmax draft kept; with the samples' sampling settings
+(GRPO), ``mtp/accept_coupled``, the share equal to the token the engine's sampler draws from the
+module's distribution with the sample's own uniform for that token (engine/sampler.py,
+engine/random_draws.py) -- a draft that shares the sample's randomness, kept whenever the two
+distributions put that uniform on the same token. ``mtp_frozen/*``: the same for the module as it
+was when GRPO started (``freeze_baseline``), on the same states.
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ class MTPTrainingConfig:
     grad_clip: float = 1.0
     measure_frozen: bool = True
     """Keep the module as it was after SFT and report its acceptance beside the trained one's."""
+    measure_samples: int = 64
+    """Samples of a step the acceptance is measured on (a forward of the decoder over them, no gradient)."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -95,90 +100,101 @@ class MTPTrainer:
             self.frozen = copy.deepcopy(self.model.model.mtp_layers).eval().requires_grad_(False)
             self.frozen.load_state_dict(state["frozen"])
 
-    # ---- a step -------------------------------------------------------------------------------------
-    def learn(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-              masks: Sequence[Sequence[int]] | None = None, specs: Sequence | None = None) -> dict[str, float]:
-        """One optimizer step of the MTP modules on these sequences (this rank's share of them; every
-        rank calls it with all of them). ``masks``: which response tokens are trained (default all);
-        ``specs``: each sample's engine ``SamplingSpec`` (seed, temperature, truncation), for the
-        coupled acceptance. Returns the step's ``mtp/*`` (and ``mtp_frozen/*``) metrics, averaged over
-        the ranks' tokens."""
-        if not self.active:
-            return {}
-        masks = masks if masks is not None else [[1] * len(r) for r in responses]
-        plan = plan_rank_micro_batches([len(p) + len(r) for p, r in zip(prompts, responses)], self.rank,
-                                       self.world_size, self.micro_batch_size, self.micro_batch_tokens)
-        trained = sum(sum(m[1:]) for m in masks) / self.world_size  # the second response token on has a draft
-        sums = torch.zeros(8, dtype=torch.float64)  # loss, tokens, top1, coupled, coupled tokens, frozen x3
-        self.optimizer.zero_grad(set_to_none=True)
-        for ids in plan:
-            if not ids:
-                continue
-            batch = collate([prompts[i] for i in ids], [responses[i] for i in ids], pad_id,
-                            response_mask=[masks[i] for i in ids])
-            sums += self._micro_step(batch, [specs[i] for i in ids] if specs is not None else None,
-                                     [len(prompts[i]) for i in ids], max(trained, 1.0))
+    # ---- training: a term of the policy's forward and backward, then its own optimizer step ----------
+    def loss(self, mtp_logits: torch.Tensor, batch: TrainBatch, normalizer: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's loss on a micro-batch, from its logits [B, S - 1, vocab] of the policy's forward
+        (``mtp="detached"``: the gradient reaches the module alone), to add to the policy's loss: the
+        next-next token's cross entropy over the trained tokens that have a draft (a trained token
+        after a trained token: the first response token has none), summed / ``normalizer``. Also
+        (summed cross entropy, tokens) for the report."""
+        targets = batch.input_ids[:, 2:]  # row i predicts token i + 2
+        drafted = (batch.loss_mask[:, 1:] > 0) & (batch.loss_mask[:, :-1] > 0)  # [B, S - 2]
+        logits = mtp_logits[:, : targets.shape[1]]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+        summed = -(logprobs * drafted).sum()
+        return summed / normalizer, torch.stack([summed.detach().double(), drafted.sum().double()]).cpu()
+
+    @staticmethod
+    def drafted_tokens(batch: TrainBatch) -> int:
+        """The tokens ``loss`` trains on in ``batch`` (what the step's normalizer counts)."""
+        return int(((batch.loss_mask[:, 1:] > 0) & (batch.loss_mask[:, :-1] > 0)).sum())
+
+    def step(self, sums: torch.Tensor) -> dict[str, float]:
+        """After the policy's step: the module's gradients (accumulated by ``loss`` terms) averaged over
+        the ranks, clipped, one AdamW step. ``sums``: this rank's (cross entropy, tokens) summed over
+        its micro-batches. Returns ``mtp/loss`` (the step's mean over every rank's tokens)."""
         if self.world_size > 1:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             average_gradients(self.params)
             sums = _summed_over_ranks(sums, self.params[0].device)
-        if self.config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], self.config.grad_clip)
+        grads = [p for p in self.params if p.grad is not None]
+        if self.config.grad_clip > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, tokens, top1, coupled, coupled_n, f_top1, f_coupled, _ = sums.tolist()
-        out = {"mtp/loss": loss / max(tokens, 1.0), "mtp/accept_top1": top1 / max(tokens, 1.0)}
-        if coupled_n:
-            out["mtp/accept_coupled"] = coupled / coupled_n
+        return {"mtp/loss": float(sums[0] / max(float(sums[1]), 1.0))}
+
+    # ---- measurement: how often its drafts would be kept ----------------------------------------------
+    @torch.no_grad()
+    def measure(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                specs: Sequence | None = None) -> dict[str, float]:
+        """``mtp/accept_top1`` (and with ``specs``, each sample's engine ``SamplingSpec``,
+        ``mtp/accept_coupled``) of the module as it is, on the first ``measure_samples`` of these
+        sequences (each rank its share, summed over the ranks), every response token from the second
+        on; ``mtp_frozen/*`` the same for the module as GRPO found it. Call it before the module trains
+        on them (the acceptance it would have had drafting them)."""
+        if not self.active:
+            return {}
+        n = min(len(prompts), self.config.measure_samples)
+        plan = plan_rank_micro_batches([len(prompts[i]) + len(responses[i]) for i in range(n)], self.rank,
+                                       self.world_size, self.micro_batch_size, self.micro_batch_tokens)
+        sums = torch.zeros(5, dtype=torch.float64)  # tokens, top1, coupled, frozen top1, frozen coupled
+        for ids in plan:
+            if ids:
+                sums += self._measure(collate([prompts[i] for i in ids], [responses[i] for i in ids], pad_id),
+                                      [specs[i] for i in ids] if specs is not None else None,
+                                      [len(prompts[i]) for i in ids])
+        if self.world_size > 1:
+            sums = _summed_over_ranks(sums, self.params[0].device)
+        tokens, top1, coupled, f_top1, f_coupled = (float(x) for x in sums)
+        tokens = max(tokens, 1.0)
+        out = {"mtp/accept_top1": top1 / tokens}
+        if specs is not None:
+            out["mtp/accept_coupled"] = coupled / tokens
         if self.frozen is not None:
-            out["mtp_frozen/accept_top1"] = f_top1 / max(tokens, 1.0)
-            if coupled_n:
-                out["mtp_frozen/accept_coupled"] = f_coupled / coupled_n
+            out["mtp_frozen/accept_top1"] = f_top1 / tokens
+            if specs is not None:
+                out["mtp_frozen/accept_coupled"] = f_coupled / tokens
         return out
 
-    def _micro_step(self, batch: TrainBatch, specs: list | None, prompt_lens: list[int],
-                    normalizer: float) -> torch.Tensor:
+    def _measure(self, batch: TrainBatch, specs: list | None, prompt_lens: list[int]) -> torch.Tensor:
         model = self.model
         device = next(model.parameters()).device
         batch = batch.to(device)
-        with torch.no_grad():
-            hidden, allowed = model._decoder(batch.input_ids, batch.attention_mask)
-            state = model.model.norm(hidden)
-            embeds = model.model.embed_tokens(batch.input_ids)
+        hidden, allowed = model._decoder(batch.input_ids, batch.attention_mask)
+        state, embeds = model.model.norm(hidden), model.model.embed_tokens(batch.input_ids)
         s = batch.input_ids.shape[1]
+        out = torch.zeros(5, dtype=torch.float64)
         if s < 3:
-            return torch.zeros(8, dtype=torch.float64)
-        head = model.lm_head.weight.detach()
-        logits = mtp_logits(model.model.mtp_layers[0], state, embeds, allowed, head)[:, :s - 2]  # [B, S-2, V]
-        targets = batch.input_ids[:, 2:]  # row i predicts token i + 2
-        # row i drafts response token k = i + 2 - prompt length; the first (k = 0) has no draft
+            return out
+        head = model.lm_head.weight
+        targets = batch.input_ids[:, 2:]
+        # row i drafts response token k = i + 2 - prompt length; the first (k = 0) has none
         k = torch.arange(s - 2, device=device)[None, :] + 2 - torch.tensor(prompt_lens, device=device)[:, None]
-        drafted = (batch.loss_mask[:, 1:] > 0) & (k >= 1)  # [B, S - 2]: a trained response token with a draft
-        mask = drafted.to(torch.float32)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-        loss = -(logprobs * mask).sum() / normalizer
-        loss.backward()
-        out = torch.zeros(8, dtype=torch.float64)
-        out[0] = float(-(logprobs.detach() * mask).sum())
-        out[1] = float(drafted.sum())
-        out[2] = float(((logits.argmax(-1) == targets) & drafted).sum())
-        frozen_logits = None
-        if self.frozen is not None:
-            with torch.no_grad():
-                frozen_logits = mtp_logits(self.frozen[0], state, embeds, allowed, head)[:, :s - 2]
-            out[5] = float(((frozen_logits.argmax(-1) == targets) & drafted).sum())
-        if specs is not None:
-            rows = drafted.nonzero(as_tuple=True)
-            draws = k[rows].tolist()  # the response index of each drafted token: its draw
-            if rows[0].numel():
-                got = coupled_drafts(logits.detach()[rows], [specs[b] for b in rows[0].tolist()], draws)
-                want = targets[rows]
-                out[3], out[4] = float((got == want).sum()), float(want.numel())
-                if frozen_logits is not None:
-                    got_f = coupled_drafts(frozen_logits[rows], [specs[b] for b in rows[0].tolist()], draws)
-                    out[6] = float((got_f == want).sum())
+        drafted = (batch.loss_mask[:, 1:] > 0) & (k >= 1)
+        rows = drafted.nonzero(as_tuple=True)
+        draws = k[rows].tolist()  # each drafted token's response index: its draw
+        want = targets[rows]
+        out[0] = want.numel()
+        modules = [(model.model.mtp_layers[0], 1)] + ([(self.frozen[0], 3)] if self.frozen is not None else [])
+        for layer, at in modules:
+            logits = mtp_logits(layer, state, embeds, allowed, head)[:, : s - 2][rows]  # [drafted, vocab]
+            out[at] = float((logits.argmax(-1) == want).sum())
+            if specs is not None and want.numel():
+                got = coupled_drafts(logits, [specs[b] for b in rows[0].tolist()], draws)
+                out[at + 1] = float((got == want).sum())
         return out
 
 

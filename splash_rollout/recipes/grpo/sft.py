@@ -50,7 +50,8 @@ def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SF
     so a chat template's ids are what SFT teaches), cycling through ``examples``; returns the last
     logged loss and the time taken. ``targets(example) -> (ids, loss mask)`` replaces the target
     (eos included), e.g. a tool demonstration whose environment replies carry mask 0. ``mtp``: an
-    ``MTPTrainer`` whose module learns the same sequences after each step (mtp_training.py)."""
+    ``MTPTrainer`` whose module learns the same sequences in the same steps (mtp_training.py), its
+    acceptance measured at the logged steps before it trains on them."""
     eos = tokenizer.eos_token_ids[0]
     rank, world = trainer.rank, trainer.world_size
     t0, last = time.perf_counter(), {}
@@ -72,9 +73,11 @@ def run_sft(trainer: Trainer, tokenizer, examples: Sequence[Example], config: SF
                          response_mask=[masks[i] for i in ids] if ids else [[0] * len(masks[0])])
                  for ids in plan]
         trainer.set_lr(lr_at(step, config))
-        stats = trainer.optimizer_step(micro, nll_loss(normalizer), temperature=1.0)
-        mtp_stats = mtp.learn(prompts, responses, tokenizer.pad_token_id, masks) if mtp is not None else {}
-        if log is not None and (step % config.log_every == 0 or step == config.steps - 1):
+        logged = log is not None and (step % config.log_every == 0 or step == config.steps - 1)
+        measured = mtp.measure(prompts, responses, tokenizer.pad_token_id) if logged and mtp is not None else {}
+        stats = trainer.optimizer_step(micro, nll_loss(normalizer), temperature=1.0, mtp=mtp)
+        if logged:
+            mtp_stats = {k: v for k, v in stats.items() if k.startswith("mtp")} | measured
             last = {"sft/loss": stats["loss"], "sft/grad_norm": stats["grad_norm"], "sft/lr": lr_at(step, config),
                     **{f"sft/{k}": v for k, v in mtp_stats.items()}, "timing_s/sft": time.perf_counter() - t0}
             log(last, step)

@@ -200,19 +200,23 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(states[self.rank])
 
-    def _forward_logprobs(self, batch: TrainBatch, temperature: float | None = None,
-                          entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_logprobs(self, batch: TrainBatch, temperature: float | None = None, entropy: bool = False,
+                          mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(token logprobs [B, S-1], entropy or None, with ``mtp`` the first MTP module's logits
+        [B, S-1, vocab] read detached from the decoder -- mtp_training.py -- or None)."""
         module = self.engine if self.engine is not None else self.model
         anchor = self._grad_order_anchor() if torch.is_grad_enabled() else None
+        kwargs = {"mtp": "detached"} if mtp else {}
         if "routing" in batch.extras:  # the rollout's expert choices (R3)
             with routing_context(replay=replay_layers(batch.extras["routing"], batch.extras["routing_replayed"])):
-                logits = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+                out = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device), **kwargs)
         else:
-            logits = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+            out = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device), **kwargs)
+        logits, mtp_logits = (out[0], out[1][0]) if mtp else (out, None)
         temperature = self.temperature if temperature is None else temperature
         logprobs, ent = token_logprobs_and_entropy(logits[:, :-1], batch.targets.to(self.device), temperature,
                                                    entropy=entropy)
-        return (logprobs if anchor is None else logprobs + anchor), ent
+        return (logprobs if anchor is None else logprobs + anchor), ent, mtp_logits
 
     def _grad_order_anchor(self) -> torch.Tensor | None:
         """A zero that depends on every parameter, built *before* the forward.
@@ -234,33 +238,43 @@ class Trainer:
         return self._forward_logprobs(batch)[0]
 
     def optimizer_step(self, micro_batches: Sequence[TrainBatch], loss_fn: LossFn,
-                       temperature: float | None = None, entropy: bool = False) -> dict[str, float]:
+                       temperature: float | None = None, entropy: bool = False, mtp=None) -> dict[str, float]:
         """Accumulate gradients over ``micro_batches`` (this rank's share), then one optimizer step.
         ``temperature``: of the logprobs handed to ``loss_fn`` (default: the rollout's; SFT uses 1).
-        ``entropy``: also hand ``loss_fn`` the per-token entropy (keyword ``entropy``).
+        ``entropy``: also hand ``loss_fn`` the per-token entropy (keyword ``entropy``). ``mtp``: an
+        ``MTPTrainer`` whose module's loss rides on the same forward and backward (its gradient
+        reaches the module alone) and which steps after the policy (mtp_training.py).
         Returns summed loss, grad norm and the mean of ``loss_fn``'s stats over micro-batches
-        (``*_max`` stats: the max)."""
+        (``*_max`` stats: the max), and ``mtp/loss``."""
         totals: dict[str, float] = {}
         loss_sum = 0.0
+        mtp = mtp if mtp is not None and mtp.active else None
+        mtp_tokens = max(sum(mtp.drafted_tokens(mb) for mb in micro_batches), 1) if mtp is not None else 1
+        mtp_sums = torch.zeros(2, dtype=torch.float64)
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             if self.engine is not None:
                 self.engine.set_gradient_accumulation_boundary(last)
             mb = mb.to(self.device)
-            logprobs, ent = self._forward_logprobs(mb, temperature, entropy)
+            logprobs, ent, mtp_logits = self._forward_logprobs(mb, temperature, entropy, mtp=mtp is not None)
             loss, stats = loss_fn(logprobs, mb, entropy=ent) if entropy else loss_fn(logprobs, mb)
+            loss_sum += float(loss.detach())
+            if mtp is not None:
+                mtp_loss, sums = mtp.loss(mtp_logits, mb, mtp_tokens)
+                mtp_sums += sums
+                loss = loss + mtp_loss  # its gradient reaches the MTP module alone (read detached)
             if self.engine is not None:
                 self.engine.backward(loss)
             else:
                 loss.backward()
-            loss_sum += float(loss.detach())
             for k, v in stats.items():
                 if k.endswith("_max"):
                     totals[k] = max(totals.get(k, float("-inf")), float(v))
                 else:
                     totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
         grad_norm = self._step()
-        return {"loss": loss_sum, "grad_norm": grad_norm, **totals}
+        mtp_stats = mtp.step(mtp_sums) if mtp is not None else {}
+        return {"loss": loss_sum, "grad_norm": grad_norm, **totals, **mtp_stats}
 
     def _step(self) -> float:
         if self.engine is not None:

@@ -87,13 +87,14 @@ def shape_rewards(rewards: torch.Tensor, batch: RolloutBatch, config: UpdateConf
 
 def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor | list[list[float]],
                 config: UpdateConfig, pad_id: int, step: int, ref_model: torch.nn.Module | None = None,
-                policy_version: int | None = None) -> dict[str, float]:
+                policy_version: int | None = None, mtp=None) -> dict[str, float]:
     """``config.minibatches`` optimizer steps over the rollout batch; this rank trains on samples
     ``rank::world`` of each minibatch. ``advantages``: [num_groups, n] per sample, or per sample
     (group order) a [num_response_tokens] list (process supervision). ``policy_version``: the weight
     version being trained; tokens sampled under an older one (partial rollout) carry their own
     policy's logprobs, which the ratio (and the off-policy correction) is taken against, and are left
-    out of ``train/logprob_diff_max`` (a check of the engine against the trainer on the same weights)."""
+    out of ``train/logprob_diff_max`` (a check of the engine against the trainer on the same weights).
+    ``mtp``: the ``MTPTrainer`` whose module trains on the same forward passes (mtp_training.py)."""
     samples = batch.samples
     per_token_adv = isinstance(advantages, list)  # process supervision: a list per sample
     adv = advantages if per_token_adv else advantages.flatten().tolist()
@@ -159,11 +160,11 @@ def grpo_update(trainer: Trainer, batch: RolloutBatch, advantages: torch.Tensor 
             stats["logprob_diff_max"] = ((logprobs - engine_lp).abs() * mask * mb.extras["on_policy"]).max().detach()
             return loss, stats
 
-        stats_all.append(trainer.optimizer_step(micro, loss_fn, entropy=loss_cfg.entropy_coef > 0))
-    corr = sorted({k for s_ in stats_all for k in s_ if k.startswith("rollout_corr/")})
+        stats_all.append(trainer.optimizer_step(micro, loss_fn, entropy=loss_cfg.entropy_coef > 0, mtp=mtp))
+    corr = sorted({k for s_ in stats_all for k in s_ if k.startswith(("rollout_corr/", "mtp/"))})
     out = {f"train/{k}": float(np.mean([s[k] for s in stats_all])) for k in stats_all[0]
            if k in stats_all[-1] and k not in corr}
-    for k in corr:  # rollout_corr/* keep their own prefix; maxima stay maxima over the minibatches
+    for k in corr:  # rollout_corr/* and mtp/* keep their own prefix; maxima stay maxima over the minibatches
         values = [s_[k] for s_ in stats_all if k in s_]
         out[k] = float(np.max(values) if k.endswith("_max") else np.mean(values))
     out["train/logprob_diff_max"] = stats_all[0]["logprob_diff_max"]  # on-policy pass: must be ~0
