@@ -15,8 +15,8 @@ as an engine would (``MTPDrafter``): the first draft from the decoder's state an
 token, later ones chained from the module's own state, each either the module's argmax or --
 ``coupled`` -- the engine sampler's draw from the module's distribution with the sample's own
 uniform for that token, which is kept whenever the two distributions put that uniform on the same
-token. Drafting's own cost is each chained pass priced as a share of a plain step over the drafting
-rows (the share timed here: the module's layer and the head against the decoder and the head).
+token. Drafting's own cost is each chained pass: the module's layer, its norm and the head over one
+new row per drafting request, timed here.
 
 An argmax oracle drafts the policy's own most likely token at every position: its kept prefix is the
 run of positions where the sampled token was the argmax (the model run over the recorded
@@ -89,12 +89,13 @@ class StepCost:
 
 
 def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, cap: int = 8,
-           draft_seconds=None) -> dict:
+           draft_seconds=None, projected_draft_seconds=None) -> dict:
     """Step every call's samples together under a drafter (``propose(request, room) -> draft``).
-    ``draft_seconds(requests drafting, longest draft)``: what drafting itself costs a step (a draft
-    model's passes; None: nothing, as for the n-gram index)."""
+    ``draft_seconds(requests drafting, longest draft, rows)``: what drafting itself costs a step (a
+    draft model's passes; None: nothing, as for the n-gram index); ``projected_draft_seconds``: the
+    same priced another way, reported apart (``est_*_projected``)."""
     tot = dict(steps=0, steps_off=0, drafted=0, kept=0, verified=0, seconds=0.0, seconds_off=0.0, tail=0.0,
-               tail_off=0.0)
+               tail_off=0.0, seconds_proj=0.0, tail_proj=0.0)
     reached, accepted = [0] * cap, [0] * cap
     """Per draft position j (0-based): verifications whose drafts 0..j-1 were all kept, and of those
     the ones that kept draft j as well."""
@@ -116,12 +117,17 @@ def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, 
                 room = min(cap, len(r.truth) - len(r.output_ids) - 1)
                 drafts[r.request_id] = tuple(propose(r, room)) if room > 0 else ()
             rows = sum(1 + len(d) for d in drafts.values())
-            sec = cost.seconds(rows, any(drafts.values()))
-            if draft_seconds is not None and any(drafts.values()):
-                sec += draft_seconds(sum(bool(d) for d in drafts.values()), max(len(d) for d in drafts.values()))
+            sec = proj = cost.seconds(rows, any(drafts.values()))
+            if any(drafts.values()):
+                drafting, longest = sum(bool(d) for d in drafts.values()), max(len(d) for d in drafts.values())
+                sec += draft_seconds(drafting, longest, running) if draft_seconds is not None else 0.0
+                proj += projected_draft_seconds(drafting, longest, running) if projected_draft_seconds else 0.0
+            tail = len(running) <= TAIL_FRACTION * peak
             tot["steps"] += 1
             tot["seconds"] += sec
-            tot["tail"] += sec if len(running) <= TAIL_FRACTION * peak else 0.0
+            tot["tail"] += sec if tail else 0.0
+            tot["seconds_proj"] += proj
+            tot["tail_proj"] += proj if tail else 0.0
             still = []
             for r in running:
                 draft, at = drafts[r.request_id], len(r.output_ids)
@@ -146,6 +152,9 @@ def replay(calls: list[list[dict]], propose, observe, finished, cost: StepCost, 
             "acceptance_len": (tot["kept"] + tot["verified"]) / max(1, tot["verified"]),
             "est_wall_ratio": tot["seconds_off"] / tot["seconds"],
             "est_tail_ratio": tot["tail_off"] / max(1e-12, tot["tail"]),
+            **({"est_wall_ratio_projected": tot["seconds_off"] / tot["seconds_proj"],
+                "est_tail_ratio_projected": tot["tail_off"] / max(1e-12, tot["tail_proj"])}
+               if projected_draft_seconds is not None else {}),
             "accept_by_position": [a / r for a, r in zip(accepted, reached) if r]}
 
 
@@ -180,28 +189,27 @@ def policy_model(weights: dict):
     return model.eval()
 
 
-def mtp_pass_share(model, rows: int = 16, repeats: int = 50) -> float:
-    """Seconds of one MTP pass (its layer and the LM head over ``rows`` one-token rows) over those of
-    the decoder and head on the same rows, timed here: what a chained draft costs per position."""
+def mtp_pass_seconds(model, repeats: int = 30) -> tuple[float, float]:
+    """(fixed, per row) seconds of one chained MTP pass -- the module's layer, its norm and the LM head
+    over one new row per drafting request -- timed here at 1 to 32 rows and fitted: what each drafted
+    position costs a step beyond its verified row."""
     import torch
 
-    ids = torch.arange(rows)[:, None] + 5
-    layer = model.model.mtp_layers[0]
-    allowed = torch.ones(rows, 1, 1, dtype=torch.bool)
-    x = torch.randn(rows, 1, model.config.hidden_size)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
+    layer, head = model.model.mtp_layers[0], model.lm_head.weight
+    points = []
     with torch.no_grad():
-        full = best(lambda: model(ids))
-        mtp = best(lambda: layer.shared_head.norm(layer(x, torch.arange(1), allowed, None)[0]) @ model.lm_head.weight.T)
-    return mtp / full
+        for rows in (1, 4, 16, 32):
+            x = torch.randn(rows, 1, model.config.hidden_size)
+            allowed = torch.ones(rows, 1, 1, dtype=torch.bool)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                layer.shared_head.norm(layer(x, torch.arange(1), allowed, None)[0]) @ head.T
+                times.append(time.perf_counter() - t0)
+            points.append((rows, min(times)))
+    rows, secs = np.array(points, dtype=np.float64).T
+    per_row, fixed = np.polyfit(rows, secs, 1)
+    return float(fixed), float(per_row)
 
 
 class OracleDrafter:
@@ -347,6 +355,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", required=True, help="a policy.pt of the recipe (e.g. benchmarks/speculative.py's)")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--mtp-from", help="a state dict (e.g. the run's sft_policy.pt) whose MTP module drafts instead "
+                                        "of the policy's own: the module as it was, beside the one trained on")
+    ap.add_argument("--project-layers", type=int, default=61,
+                    help="also price each MTP pass as 1/N of a plain step (N: the layers of the model projected to; "
+                         "DeepSeek-V3 has 61): est_*_projected")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
@@ -367,15 +380,26 @@ def main() -> int:
         d = SuffixDrafter(**kwargs)
         results[name] = replay(calls, d.propose, d.observe, d.finished, cost)
     model = policy_model(weights)
+    if args.mtp_from:  # another state's MTP module over this policy's decoder
+        import torch
+
+        other = torch.load(args.mtp_from, map_location="cpu")
+        prefix = "model.mtp_layers."
+        model.model.mtp_layers.load_state_dict({k[len(prefix):]: v for k, v in other.items() if k.startswith(prefix)})
     if model.model.mtp_layers:
-        share = mtp_pass_share(model)
-        print(f"an MTP pass (its layer and the head over the drafting rows) ~ {share:.2f} of a plain step", flush=True)
+        pass_fixed, pass_row = mtp_pass_seconds(model)
+        print(f"an MTP pass (its layer, norm and the head): {pass_fixed * 1e3:.2f} ms + {pass_row * 1e3:.3f} ms/row",
+              flush=True)
         for coupled in (False, True):
             for cap in (1, 2, 4):
                 d = MTPDrafter(calls, model, coupled)
                 name = f"MTP {'coupled' if coupled else 'argmax'}, cap {cap}"
-                results[name] = replay(calls, d.propose, d.observe, d.finished, cost, cap=cap,
-                                       draft_seconds=lambda n, k: k * share * cost.seconds(n, False))
+                results[name] = replay(
+                    calls, d.propose, d.observe, d.finished, cost, cap=cap,
+                    draft_seconds=lambda n, k, running: k * (pass_fixed + pass_row * n),
+                    # a model of ``--project-layers`` layers: a pass costs one layer's share of a plain step
+                    projected_draft_seconds=lambda n, k, running: k * cost.seconds(len(running), False)
+                    / args.project_layers)
                 print(f"{name}: {d.draft_passes} chained passes", flush=True)
     else:
         print("the policy has no MTP module: no MTP drafts", flush=True)
@@ -384,12 +408,18 @@ def main() -> int:
         results[f"oracle argmax, cap {cap}"] = replay(calls, oracle.propose, oracle.observe, oracle.finished, cost,
                                                       cap=cap)
     for name, r in results.items():
+        projected = (f" (a pass at 1/{args.project_layers} of a step: wall {r['est_wall_ratio_projected']:.2f}x, "
+                     f"tail {r['est_tail_ratio_projected']:.2f}x)" if "est_wall_ratio_projected" in r else "")
         print(f"{name:32s} steps {r['target_steps_off']} -> {r['target_steps']}, kept/drafted "
               f"{r['kept_per_drafted']:.2f}, acceptance_len {r['acceptance_len']:.2f}, est. wall "
-              f"{r['est_wall_ratio']:.2f}x, tail {r['est_tail_ratio']:.2f}x")
-    out = {"policy": args.policy, "calls": args.calls, "samples": sum(len(c) for c in calls),
+              f"{r['est_wall_ratio']:.2f}x, tail {r['est_tail_ratio']:.2f}x{projected}; kept by position "
+              f"{[round(a, 2) for a in r['accept_by_position']]}")
+    out = {"policy": args.policy, "mtp_from": args.mtp_from, "calls": args.calls, "samples": sum(len(c) for c in calls),
            "step_cost_s": dataclasses.asdict(cost), "results": results,
-           "command": f"python benchmarks/draft_replay.py --policy P --calls {args.calls}"}
+           "mtp_pass_s": [pass_fixed, pass_row] if model.model.mtp_layers else None,
+           "project_layers": args.project_layers,
+           "command": f"python benchmarks/draft_replay.py --policy P --calls {args.calls}"
+                      + (" --mtp-from S" if args.mtp_from else "")}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     return 0
