@@ -34,7 +34,6 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from splash_rollout.distributed.groups import average_gradients
 from splash_rollout.recipes.grpo.micro_batches import plan_rank_micro_batches
 from splash_rollout.recipes.grpo.trainer import TrainBatch, collate
 
@@ -109,9 +108,9 @@ class MTPTrainer:
         (summed cross entropy, tokens) for the report."""
         targets = batch.input_ids[:, 2:]  # row i predicts token i + 2
         drafted = (batch.loss_mask[:, 1:] > 0) & (batch.loss_mask[:, :-1] > 0)  # [B, S - 2]
-        logits = mtp_logits[:, : targets.shape[1]]
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-        summed = -(logprobs * drafted).sum()
+        logits = mtp_logits[:, : targets.shape[1]][drafted]  # [drafted tokens, vocab]: the rows trained
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[drafted][:, None]).squeeze(-1)
+        summed = -logprobs.sum()
         return summed / normalizer, torch.stack([summed.detach().double(), drafted.sum().double()]).cpu()
 
     @staticmethod
@@ -123,12 +122,19 @@ class MTPTrainer:
         """After the policy's step: the module's gradients (accumulated by ``loss`` terms) averaged over
         the ranks, clipped, one AdamW step. ``sums``: this rank's (cross entropy, tokens) summed over
         its micro-batches. Returns ``mtp/loss`` (the step's mean over every rank's tokens)."""
-        if self.world_size > 1:
+        if self.world_size > 1:  # the gradients in one flat buffer: one collective, not one per tensor
+            import torch.distributed as dist
+
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            average_gradients(self.params)
-            sums = _summed_over_ranks(sums, self.params[0].device)
+            grads = [p.grad for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+            sums = _summed_over_ranks(sums, grads[0].device)
         grads = [p for p in self.params if p.grad is not None]
         if self.config.grad_clip > 0 and grads:
             torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip)

@@ -34,7 +34,7 @@ from splash_rollout.recipes.grpo.process_credit import Supervision
 from splash_rollout.recipes.grpo.multi_turn import MultiTurnEngine
 from splash_rollout.recipes.grpo.partial_rollout import Carry
 from splash_rollout.recipes.grpo.reward_fns import RewardFunction
-from splash_rollout.recipes.grpo.sft import run_sft
+from splash_rollout.recipes.grpo.sft import SFTConfig, run_sft
 from splash_rollout.recipes.grpo.step_rollout import StepRollout
 from splash_rollout.recipes.grpo.task_data import PromptOrder, TaskData, build_task_data
 from splash_rollout.recipes.grpo.tool_demos import sft_target
@@ -175,116 +175,179 @@ def set_up(cfg: DictConfig, run_dir: str, rank: int, world_size: int) -> GRPORun
     t_start = time.perf_counter()
     _configure_process(cfg, rank)
     os.makedirs(run_dir, exist_ok=True)
+    checked = check_run(cfg)  # everything checkable, before any work
+    policy, fingerprint, restored = initial_policy(cfg, checked, rank, world_size)
+    sink, past_rewards = open_outputs(cfg, run_dir, rank, restored)
+    trainer, mtp, sft_summary = start_training(cfg, checked, policy, restored, sink, run_dir, rank, world_size)
+    ref_model, own_reference = reference_policy(cfg, checked.losses, trainer, restored)
+    engine, rollout, start, timelines = start_rollouts(cfg, checked, trainer, restored)
+    g = cfg.grpo
+    sampling = SamplingParams(n=g.n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
+                              stop_token_ids=tuple(checked.tokenizer.eos_token_ids))
+    return GRPORun(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, tokenizer=checked.tokenizer,
+                   reward_fn=checked.reward_fn, evaluation=checked.evaluation, data=checked.data, losses=checked.losses,
+                   supervision=checked.supervision, schedule=checked.schedule, trainer=trainer, mtp=mtp,
+                   ref_model=ref_model, own_reference=own_reference, update=update_config(cfg, checked.losses, trainer),
+                   engine=engine, rollout=rollout, engine_memory=EngineMemory(release=bool(cfg.engine.sleep_during_train)),
+                   sampling=sampling, sink=sink, fingerprint=fingerprint, start=start,
+                   step_offset=checked.sft.steps if cfg.logger.log_sft else 0, sft_summary=sft_summary,
+                   t_start=t_start, timelines=timelines, past_rewards=past_rewards,
+                   samples_file=open(os.path.join(run_dir, "samples.jsonl"), "a") if rank == 0 else None)
+
+
+@dataclass
+class Checked:
+    """What ``check_run`` read from the config and built before any work: a bad option fails here."""
+
+    tokenizer: Any
+    reward_fn: RewardFunction
+    evaluation: EvalConfig
+    sft: SFTConfig
+    do_sft: bool
+    """No resume, no ``sft.load``, and SFT steps to run."""
+    oversample: Any
+    tools: Any
+    """The multi-turn calculator environment (``tool.*``), or None."""
+    partial: Any
+    data: Any
+    schedule: Any
+    losses: GRPOLossConfig
+    supervision: Any
+
+
+def check_run(cfg: DictConfig) -> Checked:
+    """Every option the run's parts read, checked and built (the reward probed on a prompt, the data
+    made) before any training or rollout."""
     g, s = cfg.grpo, cfg.sft
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_source(cfg))
-    stop_ids = tuple(tokenizer.eos_token_ids)
-
-    # ---- everything checkable, before any work
     reward_fn = RewardFunction(cfg.reward)
     evaluation = eval_config(cfg)
     sft_cfg = sft_config(cfg)
-    resume = cfg.get("resume")
-    do_sft = not resume and not s.load and sft_cfg.steps > 0
+    do_sft = not cfg.get("resume") and not s.load and sft_cfg.steps > 0
     oversample = oversample_config(cfg)
     tools = tool_env(cfg, tokenizer)  # tool.*: multi-turn rollouts with a calculator (multi_turn.py)
     partial = partial_rollout_config(cfg)
     check_fleet_options(cfg, oversample, partial, tools)
+    mtp_training_config(cfg)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
                            sft_examples=sft_cfg.steps * sft_cfg.batch_size if do_sft else 0,
                            fresh_prompts=g.steps * (oversample.oversample_groups if oversample else g.prompts_per_step))
     reward_fn.probe(data.train[0])
-    schedule = lr_schedule(cfg)
     losses = loss_config(cfg)
-    supervision = supervision_config(cfg, losses)
     if losses.kl_coef > 0 and g.ref_path and not os.path.exists(g.ref_path):
         raise FileNotFoundError(f"grpo.ref_path: {g.ref_path!r} does not exist")
+    return Checked(tokenizer=tokenizer, reward_fn=reward_fn, evaluation=evaluation, sft=sft_cfg, do_sft=do_sft,
+                   oversample=oversample, tools=tools, partial=partial, data=data, schedule=lr_schedule(cfg),
+                   losses=losses, supervision=supervision_config(cfg, losses))
+
+
+def initial_policy(cfg: DictConfig, checked: Checked, rank: int, world_size: int):
+    """The policy the run starts from -- the model's init, a checkpoint's (``resume``: checked against
+    this run first) or a saved warm start (``sft.load``) -- its fingerprint, and the checkpoint read
+    (``(state, files)``) or None."""
     policy = build_policy(cfg)
     fingerprint = ckpt.model_fingerprint(model_source(cfg), policy)
     restored = None
-    if resume:
-        folder = ckpt.latest_checkpoint(resume)
+    if cfg.get("resume"):
+        folder = ckpt.latest_checkpoint(cfg.resume)
         state = ckpt.read_state(folder)
-        ckpt.check_compatible(state, folder, fingerprint, world_size, schedule.to_dict())
-        ckpt.check_carried(state, folder, partial is not None)
+        ckpt.check_compatible(state, folder, fingerprint, world_size, checked.schedule.to_dict())
+        ckpt.check_carried(state, folder, checked.partial is not None)
         restored = (state, ckpt.load_rank_files(folder, state, rank))
         # before the trainer exists: ZeRO takes its fp32 master copy at deepspeed.initialize
         load_policy_state(policy, restored[1]["policy"], "resume")
-    elif s.load:  # a saved warm start (sft_policy.pt of an earlier run) replaces SFT
-        load_policy_state(policy, torch.load(s.load, map_location="cpu"), "sft.load")
+    elif cfg.sft.load:  # a saved warm start (sft_policy.pt of an earlier run) replaces SFT
+        load_policy_state(policy, torch.load(cfg.sft.load, map_location="cpu"), "sft.load")
+    return policy, fingerprint, restored
 
-    # ---- outputs: a resumed run drops what the interrupted one logged after its checkpoint
+
+def open_outputs(cfg: DictConfig, run_dir: str, rank: int, restored) -> tuple[MetricsSink, list[float]]:
+    """Rank 0's metrics sink and the rewards logged so far; a resumed run drops what the interrupted
+    one logged after its checkpoint."""
     sink: MetricsSink = NoOpSink()
     past_rewards: list[float] = []
+    if rank != 0:
+        return sink, past_rewards
     eval_file = os.path.join(run_dir, "eval_correct.jsonl")
-    if rank == 0:
-        if resume:
-            kept = truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), lambda r: r.get("grpo_step", -1) < state.step)
-            past_rewards = [r["reward/mean"] for r in kept if "reward/mean" in r]
-            truncate_jsonl(os.path.join(run_dir, "samples.jsonl"), lambda r: r.get("step", -1) < state.step)
-            truncate_jsonl(eval_file, lambda r: r.get("grpo_step", -1) < state.step)
-        elif os.path.exists(eval_file):
-            os.remove(eval_file)
-        sink = make_sink(cfg.logger.kind, rank, run_dir, project=cfg.logger.project, name=cfg.logger.name,
-                         mode=cfg.logger.mode, entity=cfg.logger.entity,
-                         config=OmegaConf.to_container(cfg, resolve=True))
+    if restored is not None:
+        step = restored[0].step
+        kept = truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), lambda r: r.get("grpo_step", -1) < step)
+        past_rewards = [r["reward/mean"] for r in kept if "reward/mean" in r]
+        truncate_jsonl(os.path.join(run_dir, "samples.jsonl"), lambda r: r.get("step", -1) < step)
+        truncate_jsonl(eval_file, lambda r: r.get("grpo_step", -1) < step)
+    elif os.path.exists(eval_file):
+        os.remove(eval_file)
+    sink = make_sink(cfg.logger.kind, rank, run_dir, project=cfg.logger.project, name=cfg.logger.name,
+                     mode=cfg.logger.mode, entity=cfg.logger.entity, config=OmegaConf.to_container(cfg, resolve=True))
+    return sink, past_rewards
 
-    # ---- the policy: checkpoint, or SFT (unless a warm start was loaded)
-    trainer = Trainer(policy, trainer_config(cfg), rank=rank, world_size=world_size, temperature=g.temperature)
+
+def start_training(cfg: DictConfig, checked: Checked, policy, restored, sink: MetricsSink, run_dir: str, rank: int,
+                   world_size: int) -> tuple[Trainer, MTPTrainer, dict]:
+    """The trainer and the MTP module's, then the checkpoint's optimizer state or SFT (unless a warm
+    start was loaded); the MTP module GRPO starts from is kept to measure beside the trained one."""
+    trainer = Trainer(policy, trainer_config(cfg), rank=rank, world_size=world_size, temperature=cfg.grpo.temperature)
     mtp = MTPTrainer(trainer.model, mtp_training_config(cfg), rank, world_size, trainer.config.micro_batch_size,
                      trainer.config.micro_batch_tokens)
     sft_summary = {}
     if restored is not None:
         trainer.load_optimizer_state(restored[1]["optimizer"])
-    elif do_sft:
-        sft_summary = run_sft(trainer, tokenizer, data.sft, sft_cfg, trainer.config.micro_batch_size,
+    elif checked.do_sft:
+        tokenizer, tools = checked.tokenizer, checked.tools
+        sft_summary = run_sft(trainer, tokenizer, checked.data.sft, checked.sft, trainer.config.micro_batch_size,
                               log=lambda m, i: log_sft(sink, m, i, rank, cfg.logger.log_sft),
                               targets=(lambda ex: sft_target(ex, tokenizer, tools)) if tools else None,
                               micro_batch_tokens=trainer.config.micro_batch_tokens, mtp=mtp)
-        if rank == 0 and s.save:
+        if rank == 0 and cfg.sft.save:
             torch.save(trainer.named_weights(), os.path.join(run_dir, "sft_policy.pt"))
         trainer.reset_optimizer_state()  # GRPO starts with fresh Adam moments, as after sft.load
     if restored is not None and restored[1]["mtp"] is not None:
         mtp.load_state_dict(restored[1]["mtp"])
     else:
         mtp.freeze_baseline()  # the module GRPO starts from, measured beside the one that keeps training
+    return trainer, mtp, sft_summary
 
-    ref_model, own_reference = None, False
-    if losses.kl_coef > 0:
-        if g.ref_path:
-            ref_model = load_reference(g.ref_path, trainer.model, cfg.model.dtype)
-        else:  # the post-SFT policy (kept in checkpoints, since a resumed run cannot rebuild it)
-            ref_model, own_reference = copy.deepcopy(trainer.model).eval().requires_grad_(False), True
-            if restored is not None:
-                ref_model.load_state_dict(restored[1]["reference"], strict=True)
-    update = UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=trainer.config.micro_batch_size,
-                          micro_batch_tokens=trainer.config.micro_batch_tokens,
-                          max_new_tokens=g.max_new_tokens, overlong=g.overlong,
-                          overlong_penalty=float(g.overlong_penalty), kl_in=g.kl_in,
-                          shuffle_minibatches=bool(g.shuffle_minibatches), seed=int(cfg.seed),
-                          routing_replay=bool(g.routing_replay))
 
-    # ---- the engine and where each step's groups come from
+def reference_policy(cfg: DictConfig, losses: GRPOLossConfig, trainer: Trainer, restored):
+    """The frozen reference the KL is taken to (``grpo.ref_path``, else the post-SFT policy, kept in
+    checkpoints since a resumed run cannot rebuild it) and whether the run owns it; (None, False)
+    without a KL term."""
+    if losses.kl_coef <= 0:
+        return None, False
+    if cfg.grpo.ref_path:
+        return load_reference(cfg.grpo.ref_path, trainer.model, cfg.model.dtype), False
+    ref_model = copy.deepcopy(trainer.model).eval().requires_grad_(False)
+    if restored is not None:
+        ref_model.load_state_dict(restored[1]["reference"], strict=True)
+    return ref_model, True
+
+
+def update_config(cfg: DictConfig, losses: GRPOLossConfig, trainer: Trainer) -> UpdateConfig:
+    g = cfg.grpo
+    return UpdateConfig(loss=losses, minibatches=g.minibatches, micro_batch_size=trainer.config.micro_batch_size,
+                        micro_batch_tokens=trainer.config.micro_batch_tokens, max_new_tokens=g.max_new_tokens,
+                        overlong=g.overlong, overlong_penalty=float(g.overlong_penalty), kl_in=g.kl_in,
+                        shuffle_minibatches=bool(g.shuffle_minibatches), seed=int(cfg.seed),
+                        routing_replay=bool(g.routing_replay))
+
+
+def start_rollouts(cfg: DictConfig, checked: Checked, trainer: Trainer, restored):
+    """The engine holding the trainer's weights, and where each step's groups come from (the prompt
+    order, the partial-rollout carry), resumed where the checkpoint left them. Returns (engine,
+    rollout, first step, timelines so far)."""
     start, version, cursor, timelines = 0, 0, 0, []
     if restored is not None:
         state, files = restored
         start, version, cursor, timelines = state.step, state.weight_version, state.data_cursor, files["timelines"]
         ckpt.set_rng_states(files["rng"])
-    carry = Carry(partial) if partial else None
+    carry = Carry(checked.partial) if checked.partial else None
     if carry is not None and restored is not None:
         carry.load_state_dict(restored[1]["carried"])
     engine = build_engine_with_weights(cfg, trainer.named_weights(), version=version)
-    if tools is not None:  # generate (rollouts and eval) now answers calculator calls between turns
-        engine = MultiTurnEngine(engine, tools, tools.config.max_turns)
+    if checked.tools is not None:  # generate (rollouts and eval) now answers calculator calls between turns
+        engine = MultiTurnEngine(engine, checked.tools, checked.tools.config.max_turns)
+    data = checked.data
     order = PromptOrder(len(data.train), bool(cfg.data.shuffle), int(cfg.data.seed), cursor)
-    rollout = StepRollout(reward_fn, data.train, order, tokenizer, int(g.prompts_per_step), oversample, carry)
-    sampling = SamplingParams(n=g.n, temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
-                              stop_token_ids=stop_ids)
-    return GRPORun(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, tokenizer=tokenizer,
-                   reward_fn=reward_fn, evaluation=evaluation, data=data, losses=losses, supervision=supervision, schedule=schedule,
-                   trainer=trainer, mtp=mtp, ref_model=ref_model, own_reference=own_reference, update=update,
-                   engine=engine, rollout=rollout,
-                   engine_memory=EngineMemory(release=bool(cfg.engine.sleep_during_train)),
-                   sampling=sampling, sink=sink, fingerprint=fingerprint, start=start,
-                   step_offset=sft_cfg.steps if cfg.logger.log_sft else 0, sft_summary=sft_summary,
-                   t_start=t_start, timelines=timelines, past_rewards=past_rewards,
-                   samples_file=open(os.path.join(run_dir, "samples.jsonl"), "a") if rank == 0 else None)
+    rollout = StepRollout(checked.reward_fn, data.train, order, checked.tokenizer, int(cfg.grpo.prompts_per_step),
+                          checked.oversample, carry)
+    return engine, rollout, start, timelines
