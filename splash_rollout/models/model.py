@@ -17,7 +17,7 @@ from torch import nn
 
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.mla import MLAAttention
-from splash_rollout.models.moe import DenseMLP, MoE
+from splash_rollout.models.moe import DenseMLP, MoE, routing_apart
 from splash_rollout.models.norm import RMSNorm
 from splash_rollout.models.numerics import Linear
 from splash_rollout.models.rope import RotaryEmbedding
@@ -103,17 +103,19 @@ class MLAForCausalLM(nn.Module):
 
     def _mtp_logits(self, input_ids: torch.Tensor, hidden: torch.Tensor, allowed: torch.Tensor,
                     detached: bool) -> list[torch.Tensor]:
+        """Each MTP module's logits in turn, from the decoder's last hidden states [B, S, hidden]."""
         b, s = input_ids.shape
         cut = (lambda t: t.detach()) if detached else (lambda t: t)
         state, positions, out = cut(self.model.norm(hidden)), torch.arange(s, device=input_ids.device), []
         head = cut(self.lm_head.weight)
-        for k, layer in enumerate(self.model.mtp_layers, start=1):
-            if s - k <= 0:
-                out.append(hidden.new_zeros(b, 0, head.shape[0]))
-                continue
-            x = layer.combine(cut(self.model.embed_tokens(input_ids[:, k:])), state[:, :s - k])
-            state, _ = layer(x, positions[:s - k], allowed[:, :s - k, :s - k], None)
-            out.append(torch.nn.functional.linear(layer.shared_head.norm(state), head))
+        with routing_apart():  # its router is not one of the decoder's (routing capture / replay)
+            for k, layer in enumerate(self.model.mtp_layers, start=1):
+                if s - k <= 0:
+                    out.append(state.new_zeros(b, 0, head.shape[0]))
+                    continue
+                x = layer.combine(cut(self.model.embed_tokens(input_ids[:, k:])), state[:, :s - k])
+                state, _ = layer(x, positions[:s - k], allowed[:, :s - k, :s - k], None)
+                out.append(torch.nn.functional.linear(layer.shared_head.norm(state), head))
         return out
 
     def _decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None

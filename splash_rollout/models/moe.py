@@ -77,6 +77,18 @@ def routing_context(capture: bool = False,
         raise ValueError(f"routing replay: got routing for {len(replay)} MoE layers, the forward ran {state.calls}")
 
 
+@contextlib.contextmanager
+def routing_apart() -> Iterator[None]:
+    """Routers called inside route on their own, outside any capture or replay around them (the MTP
+    module's: not a layer of the rollout's routing, models/mtp.py)."""
+    global _ROUTING
+    saved, _ROUTING = _ROUTING, None
+    try:
+        yield
+    finally:
+        _ROUTING = saved
+
+
 class Router(nn.Module):
     """HF name ``mlp.gate``: weight [E, hidden] and e_score_correction_bias [E], both float32."""
 

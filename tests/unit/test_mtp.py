@@ -177,3 +177,16 @@ def test_an_engine_serves_without_the_mtp_module_and_takes_a_push_that_carries_i
         assert engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4, seed=1)).groups[0].samples[0].weight_version == 1
         with pytest.raises(ValueError, match="unknown parameter names"):
             engine.update_weights({"model.not_a_layer.weight": torch.zeros(1)})
+
+
+def test_the_modules_router_is_not_one_of_the_rollouts(model):
+    """Routing capture and replay (R3) cover the decoder's MoE layers; the module routes on its own."""
+    from splash_rollout.models.moe import routing_context
+
+    ids = torch.randint(0, CFG.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    with routing_context(capture=True) as captured:
+        model(ids, mtp="detached")
+    assert captured.calls == len(CFG.moe_layers) == 1
+    replay = [(e, torch.ones(e.shape[0], dtype=torch.bool)) for e in captured.captured]
+    with routing_context(replay=replay):
+        model(ids, mtp="detached")  # exactly the decoder's routers replayed
