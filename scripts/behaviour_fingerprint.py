@@ -9,13 +9,15 @@ Run it before and after a change that should not change behaviour, and compare t
 Three workloads, all deterministic (no wall-clock input reaches a decision):
 
 * **the memory-bound drain**: glm5-nano on 2 ranks, ``layout="auto"``, a 2.5 MiB budget per rank
-  so that the pools bind, worst-case admission, the online correction off (measured step times
-  would make decisions follow the machine's load). Recorded: every sample's tokens and logprobs,
+  so that the pools bind, worst-case admission, the online correction off and speculation
+  ``always`` (measured step times, and ``auto``'s measured tokens per second of drafted and plain
+  runs, would make decisions follow the machine's load: a step that drafted elsewhere meets the
+  next decision with another batch). Recorded: every sample's tokens and logprobs,
   every policy decision (step, rule, chosen layout, admissions, predicted costs) and every switch.
 * **the simulator's adaptive drains** (GPU-scale, the same policy code with optimistic admission
   and pressure relief): switch paths, switches and simulated tokens/s of three named workloads;
 * **a short GRPO run** of the default recipe under ``engine.compute.numerics=reproducible`` (2 SFT steps,
-  2 GRPO steps of 4 prompts x 4 samples, online correction off): every metrics.jsonl row with its
+  2 GRPO steps of 4 prompts x 4 samples, online correction off, speculation ``always``): every metrics.jsonl row with its
   wall-clock fields (times, rates, policy seconds) dropped.
 
 About 2 minutes on 2 cores. ``--compare`` names the first difference in each section.
@@ -54,7 +56,8 @@ def drain() -> dict:
                  for i in range(12, 24)]
               + [SamplingParams(temperature=0, max_new_tokens=160, ignore_eos=True)] * 2)
     cfg = EngineConfig(model="glm5-nano", world_size=2, layout="auto", page_size=16, max_num_batched_tokens=512,
-                       memory_budget_gib=2.5 / 1024, admission="worst_case", online_correction=False)
+                       memory_budget_gib=2.5 / 1024, admission="worst_case", online_correction=False,
+                       speculation="always")
     with RolloutEngine(cfg) as engine:
         batch = engine.generate(prompts, params)
     timeline = batch.timeline.to_dict()
@@ -86,7 +89,7 @@ def simulated() -> dict:
 def grpo(workdir: str) -> list[dict]:
     run_dir = os.path.join(workdir, "grpo")
     cmd = [sys.executable, "-m", "splash_rollout.run", "+recipe=grpo_glm5", "engine.compute.numerics=reproducible",
-           "engine.pricing.online_correction=false", "sft.steps=2", "sft.batch_size=8", "sft.save=false", "grpo.steps=2",
+           "engine.pricing.online_correction=false", "engine.compute.speculation=always", "sft.steps=2", "sft.batch_size=8", "sft.save=false", "grpo.steps=2",
            "grpo.prompts_per_step=4", "grpo.n=4", "grpo.max_new_tokens=24", "eval.every=0", "data.eval_size=8",
            "eval.max_new_tokens=24", "logger=none", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
