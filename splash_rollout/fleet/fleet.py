@@ -141,7 +141,9 @@ class Fleet:
         self.max_len = config.model.context_limit(self.model_config)
         self._tokenizer = None
         self._in_flight = 0
-        """Requests submitted and not ended (changed on the fleet's loop only)."""
+        """Requests submitted and not ended: counted up by ``submit`` (any thread), down on the fleet's
+        loop, under ``_count_lock``."""
+        self._count_lock = threading.Lock()
         self._stopping = threading.Event()
         """Set by ``stop_serving``: ``serve_here`` returns, ``submit`` refuses."""
         self._closed = False
@@ -167,7 +169,8 @@ class Fleet:
         if self._stopping.is_set():
             raise RuntimeError("fleet: serving stopped (stop_serving)")
         request = FleetRequest(self._prompt_ids(prompt), sampling or SamplingParams(), stream, self._abort_samples)
-        self._in_flight += 1
+        with self._count_lock:
+            self._in_flight += 1
         asyncio.run_coroutine_threadsafe(self._seed_and_serve(request), self._loop)
         return request
 
@@ -359,7 +362,8 @@ class Fleet:
                                  sample.finish_reason)
             request._complete(group)
         finally:
-            self._in_flight -= 1
+            with self._count_lock:
+                self._in_flight -= 1
 
     async def _serve(self, request: FleetRequest) -> SampleGroup:
         """The request on a replica, then on the next one each time its replica is lost."""
