@@ -73,3 +73,4 @@ def test_a_perfect_draft_model_is_kept_every_time_under_coupling(one_torch_threa
             rows = logits[p - 1: p - 1 + len(s.response_ids)]  # row k draws response token k
             got = coupled_drafts(rows, [s.spec] * len(rows), list(range(len(rows))))
             assert got.tolist() == s.response_ids
+

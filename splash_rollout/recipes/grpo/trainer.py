@@ -27,6 +27,7 @@ from torch import nn
 from splash_rollout.recipes.grpo.loss import token_logprobs_and_entropy
 from splash_rollout.recipes.grpo.routing_replay import replay_layers
 from splash_rollout.models.moe import routing_context
+from splash_rollout.models.packed_linear import PACKED
 from splash_rollout.distributed.groups import average_gradients, ensure_default_group
 
 
@@ -274,6 +275,9 @@ class Trainer:
                     totals[k] = totals.get(k, 0.0) + float(v) / len(micro_batches)
         grad_norm = self._step()
         mtp_stats = mtp.step(mtp_sums) if mtp is not None else {}
+        # the weights changed in place -- ZeRO copies its fp32 masters back through ``.data``, which
+        # leaves no version -- so the oneDNN-packed copies a no-grad forward reads are of the old values
+        PACKED.clear()
         return {"loss": loss_sum, "grad_norm": grad_norm, **totals, **mtp_stats}
 
     def _step(self) -> float:
