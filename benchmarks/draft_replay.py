@@ -204,7 +204,7 @@ def mtp_pass_seconds(model, repeats: int = 30) -> tuple[float, float]:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                layer.shared_head.norm(layer(x, torch.arange(1), allowed, None)[0]) @ head.T
+                layer.head_logits(layer(x, torch.arange(1), allowed, None)[0], head)
                 times.append(time.perf_counter() - t0)
             points.append((rows, min(times)))
     rows, secs = np.array(points, dtype=np.float64).T
@@ -288,7 +288,7 @@ class MTPDrafter:
                 n = x.shape[1]
                 out, _ = layer(x, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()[None], None)
                 self.draft_passes += 1
-                logits = layer.shared_head.norm(out[0, -1]) @ head.T
+                logits = layer.head_logits(out[0, -1], head)
                 token = self._pick(logits, s["spec"], at + len(draft))
                 draft.append(token)
                 if token != s["response"][at + len(draft) - 1]:

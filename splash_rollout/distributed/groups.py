@@ -156,8 +156,20 @@ def ensure_default_group(rank: int, world_size: int, backend: str = "auto",
 
 
 def average_gradients(params) -> None:
-    """Mean of each parameter's gradient over the default group (plain data parallelism)."""
-    world = dist.get_world_size()
-    for p in params:
-        dist.all_reduce(p.grad)
-        p.grad /= world
+    """Mean of each parameter's gradient over the default group (plain data parallelism), in one
+    collective over the gradients laid end to end (one per tensor costs a round trip each)."""
+    grads = [p.grad for p in params]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def sum_over_ranks(values: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``values`` summed over the default group (computed on ``device``: the backend's), on the CPU."""
+    out = values.to(device)
+    dist.all_reduce(out)
+    return out.cpu()

@@ -113,9 +113,9 @@ class MLAForCausalLM(nn.Module):
                 if s - k <= 0:
                     out.append(state.new_zeros(b, 0, head.shape[0]))
                     continue
-                x = layer.combine(cut(self.model.embed_tokens(input_ids[:, k:])), state[:, :s - k])
-                state, _ = layer(x, positions[:s - k], allowed[:, :s - k, :s - k], None)
-                out.append(torch.nn.functional.linear(layer.shared_head.norm(state), head))
+                state, logits = layer.predict(cut(self.model.embed_tokens(input_ids[:, k:])), state[:, :s - k],
+                                              positions[:s - k], allowed[:, :s - k, :s - k], head)
+                out.append(logits)
         return out
 
     def _decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None

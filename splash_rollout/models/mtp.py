@@ -66,6 +66,18 @@ class MTPLayer(DecoderLayer):
         before's state at the same positions) -> the layer's input [..., hidden]."""
         return self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
 
+    def predict(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                allowed: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module over a batch: next_embeds, hidden [B, S', hidden] (``combine``'s inputs), positions
+        [S'], allowed [B, S', S'], head [vocab, hidden] (the LM head's weight) -> (its state [B, S',
+        hidden], what the next depth reads; its logits [B, S', vocab])."""
+        state, _ = self(self.combine(next_embeds, hidden), positions, allowed, None)
+        return state, self.head_logits(state, head)
+
+    def head_logits(self, state: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """state [..., hidden] -> logits [..., vocab] through ``shared_head.norm`` and the LM head's weight."""
+        return torch.nn.functional.linear(self.shared_head.norm(state), head)
+
 
 def checkpoint_name(name: str, config: ModelConfig) -> str:
     """``model.mtp_layers.{k}.X`` -> ``model.layers.{num_layers + k}.X``; other names unchanged."""

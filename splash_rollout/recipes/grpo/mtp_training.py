@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from splash_rollout.distributed.groups import average_gradients, sum_over_ranks
 from splash_rollout.recipes.grpo.micro_batches import plan_rank_micro_batches
 from splash_rollout.recipes.grpo.trainer import TrainBatch, collate
 
@@ -122,19 +123,12 @@ class MTPTrainer:
         """After the policy's step: the module's gradients (accumulated by ``loss`` terms) averaged over
         the ranks, clipped, one AdamW step. ``sums``: this rank's (cross entropy, tokens) summed over
         its micro-batches. Returns ``mtp/loss`` (the step's mean over every rank's tokens)."""
-        if self.world_size > 1:  # the gradients in one flat buffer: one collective, not one per tensor
-            import torch.distributed as dist
-
+        if self.world_size > 1:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            flat /= self.world_size
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
-            sums = _summed_over_ranks(sums, grads[0].device)
+            average_gradients(self.params)
+            sums = sum_over_ranks(sums, self.params[0].device)
         grads = [p for p in self.params if p.grad is not None]
         if self.config.grad_clip > 0 and grads:
             torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip)
@@ -163,7 +157,7 @@ class MTPTrainer:
                                       [specs[i] for i in ids] if specs is not None else None,
                                       [len(prompts[i]) for i in ids])
         if self.world_size > 1:
-            sums = _summed_over_ranks(sums, self.params[0].device)
+            sums = sum_over_ranks(sums, self.params[0].device)
         tokens, top1, coupled, f_top1, f_coupled = (float(x) for x in sums)
         tokens = max(tokens, 1.0)
         out = {"mtp/accept_top1": top1 / tokens}
@@ -209,9 +203,8 @@ def mtp_logits(layer: nn.Module, state: torch.Tensor, embeds: torch.Tensor, allo
     """One MTP module over a batch: state, embeds [B, S, hidden] (the decoder's final-normed states and
     the tokens' embeddings), allowed [B, S, S] -> logits [B, S - 1, vocab], row i for token i + 2."""
     s = state.shape[1]
-    x = layer.combine(embeds[:, 1:], state[:, :s - 1])
-    out, _ = layer(x, torch.arange(s - 1, device=state.device), allowed[:, :s - 1, :s - 1], None)
-    return torch.nn.functional.linear(layer.shared_head.norm(out), head)
+    return layer.predict(embeds[:, 1:], state[:, :s - 1], torch.arange(s - 1, device=state.device),
+                         allowed[:, :s - 1, :s - 1], head)[1]
 
 
 def coupled_drafts(logits: torch.Tensor, specs: list, draw_index: list[int]) -> torch.Tensor:
@@ -221,11 +214,3 @@ def coupled_drafts(logits: torch.Tensor, specs: list, draw_index: list[int]) -> 
 
     tokens, _ = sample_torch(logits.float(), SamplingBatch.make(specs, draw_index, device=logits.device))
     return tokens
-
-
-def _summed_over_ranks(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    import torch.distributed as dist
-
-    out = values.to(device)
-    dist.all_reduce(out)
-    return out.cpu()
