@@ -77,7 +77,9 @@ def main() -> int:
     ap.add_argument("--policy", help="a policy.pt / sft_policy.pt to load instead of training one")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--arms", default="off,always,auto", help="comma-separated; off is the reference")
+    ap.add_argument("--arms", default="off,auto:ngram,always:mtp,auto:mtp",
+                    help="comma-separated speculation[:draft] (draft: ngram, mtp, auto); off is the reference")
+    ap.add_argument("--workloads", default="long_tail,wide,wide_queued", help="comma-separated subset")
     ap.add_argument("--numerics", default="reproducible", choices=("reproducible", "fast"),
                     help="the engine's numerics (the recipe's default: reproducible)")
     args = ap.parse_args()
@@ -112,7 +114,9 @@ def main() -> int:
         ap.error("--arms: the first arm must be off (the reference the others are checked against)")
     engines = {}
     for arm in arms:
-        engines[arm] = build_engine(compose_config(overrides + [f"engine.compute.speculation={arm}"]))
+        speculation, _, draft = arm.partition(":")
+        engines[arm] = build_engine(compose_config(overrides + [f"engine.compute.speculation={speculation}"]
+                                                   + ([f"engine.compute.draft={draft}"] if draft else [])))
         engines[arm].update_weights(weights, version=1)
     stop = tuple(tokenizer.eos_token_ids)
     workloads = {
@@ -122,6 +126,7 @@ def main() -> int:
                                                    ignore_eos=True)),
         "wide_queued": (4 * p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16,
                                                               stop_token_ids=stop, ignore_eos=True))}
+    workloads = {name: workloads[name] for name in args.workloads.split(",")}
     results: dict = {name: {arm: [] for arm in arms} for name in workloads}
     cursor = 0
     loads = []
@@ -145,7 +150,7 @@ def main() -> int:
                     **{k: v for k, v in batch.metrics.items() if k.startswith("spec/")}})
                 loads.append(os.getloadavg()[0])
                 r = results[name][arm][-1]
-                print(f"round {rnd} {name:9s} {arm:6s} {wall:7.2f} s (tail {r['tail_s']:.2f} s) "
+                print(f"round {rnd} {name:9s} {arm:12s} {wall:7.2f} s (tail {r['tail_s']:.2f} s) "
                       f"{r['tokens_per_s']:7.1f} tok/s, {r['steps']} steps, "
                       f"acceptance_len {r.get('spec/acceptance_len', 0):.2f}", flush=True)
             for arm in arms[1:]:

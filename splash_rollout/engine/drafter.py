@@ -38,7 +38,7 @@ Tokens are held as they come and indexed when a draft is next asked of their pro
 Each draft is credited to where its first token was last seen (``DRAFT_SOURCES``: the group, an
 earlier call's response, the sample itself, the prompt), so acceptance is reported per source.
 
-``Drafter`` is the seam: a model draft (MTP heads) implements the same calls.
+``Drafter`` is the seam: the model's own MTP module drafts through the same calls (engine/mtp_drafter.py).
 """
 from __future__ import annotations
 
@@ -69,9 +69,16 @@ class Drafter(Protocol):
         """A generate call starts (its samples are a new group)."""
 
 
-DRAFT_SOURCES = ("group", "history", "own", "prompt")
-"""Where a draft's first token was last seen: another sample of this call for the same prompt
-(``group``), a response from an earlier call (``history``), the sample itself (``own``), its prompt."""
+DRAFT_SOURCES = ("group", "history", "own", "prompt", "mtp")
+"""Where a draft came from: for the n-gram drafter, where its first token was last seen -- another
+sample of this call for the same prompt (``group``), a response from an earlier call (``history``),
+the sample itself (``own``), its prompt; ``mtp``: the model's MTP module (engine/mtp_drafter.py)."""
+
+
+def next_cap(max_draft: int, drafted: int, accepted: int) -> int:
+    """A request's draft cap after a verification: after a full acceptance it doubles (up to
+    ``max_draft``), after a rejection at most twice what was accepted plus one."""
+    return min(max_draft, 2 * drafted) if accepted == drafted else max(1, 2 * accepted + 1)
 
 
 def credit(table: dict[str, list[int]], source: str, drafted: int, kept: int) -> None:
@@ -204,8 +211,7 @@ class SuffixDrafter:
             self.stats.accepted += accepted
             self.stats.rejections += accepted < drafted
             credit(self.stats.by_source, self.source(request), drafted, accepted)
-            self._cap[request.request_id] = (min(self.max_draft, 2 * drafted) if accepted == drafted
-                                             else max(1, 2 * accepted + 1))
+            self._cap[request.request_id] = next_cap(self.max_draft, drafted, accepted)
 
     def finished(self, request: Request) -> None:
         self._cap.pop(request.request_id, None)

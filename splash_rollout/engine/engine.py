@@ -45,6 +45,8 @@ from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
 from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
 from splash_rollout.engine.drafter import SuffixDrafter
+from splash_rollout.engine.mtp_drafter import (MTPDrafter, ShadowRows, empty_mtp_module, mtp_shapes, mtp_targets,
+                                                take_mtp_module)
 from splash_rollout.engine.speculation_gate import SpeculationGate
 from splash_rollout.scheduling.cost_model import StepBatch
 from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
@@ -68,9 +70,12 @@ from splash_rollout.layout.bytes import AttentionBytes
 from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.layout.rank_view import RankView
+from splash_rollout.models.weights import Target
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.weights import WeightSource
 
+DRAFT_KINDS = ("ngram", "mtp")
+"""``EngineSettings.draft``: where drafts come from."""
 EXECUTORS = {Layout.TP: TPExecutor, Layout.DP: DPExecutor, Layout.DOP: DOPExecutor, Layout.CP: CPExecutor}
 _BYTES_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
 
@@ -128,6 +133,10 @@ class EngineSettings:
     speculation: str = "off"
     """``always``: decoding requests verify drafts (engine/drafter.py); ``auto``: when rank 0's gate
     prices them faster (engine/speculation_gate.py); ``off``: one token a step."""
+    draft: str = "ngram"
+    """Where drafts come from: ``ngram`` (engine/drafter.py: text the samples have seen) or ``mtp`` (the
+    model's own MTP module, run on rank 0: engine/mtp_drafter.py; the model config must declare one,
+    ``num_mtp_layers`` >= 1, and the weights hold it)."""
     feed_forward: str = "sharded"
     """MLP / MoE weights over T ranks: ``sharded`` (1/T each, a collective per block) or ``replicated``
     (whole on every rank, each row computed on one rank; engine/parallel_mlp.py)."""
@@ -162,7 +171,8 @@ class StepEvent:
     total: int
     """Requests of this call (finished + still queued or running)."""
     new_tokens: int
-    """Tokens sampled in this step."""
+    """Tokens this step appended to its requests (a verification's kept drafts and the token after
+    them; inside a token window, each step's sampled tokens)."""
     seconds: float
 
 
@@ -182,8 +192,8 @@ class _SamplePlan:
 class _Step:
     """What a rank remembers of the step it just ran."""
 
-    sampled: int
-    """Tokens the step sampled (one per sampling request, fork and verified row)."""
+    written: int
+    """Tokens the step appended (``StepEvent.new_tokens``)."""
     finished: list[Request] = field(default_factory=list)
     """The requests that finished in this step."""
 
@@ -216,26 +226,47 @@ class Engine:
         problem = placement_problem(settings.feed_forward, settings.return_routing, t)
         if problem:
             raise ValueError(problem)
+        if settings.draft not in DRAFT_KINDS:
+            raise ValueError(f"draft: expected one of {DRAFT_KINDS}, got {settings.draft!r}")
+        drafts_mtp = settings.speculation != "off" and settings.draft == "mtp"
+        if drafts_mtp and config.num_mtp_layers < 1:
+            raise ValueError(f"draft='mtp': the model {config.name!r} declares no MTP module (num_mtp_layers=0); "
+                             f"use draft='ngram'")
+        mtp_module = None
+        """Rank 0 drafting with the MTP module: the module, whole (the other ranks hold none of it);
+        taken from a handed-in model before it is placed, or read from a source with the rank's own tensors."""
+        if drafts_mtp and rank == 0:
+            mtp_module = (take_mtp_module(weights, self.device) if isinstance(weights, torch.nn.Module)
+                          else empty_mtp_module(weights, config, settings.dtype, self.device))
         view = RankView(settings.layout, rank, t, config.num_heads)
         share = RankShare(rank, t, view.head_slice, settings.feed_forward)
+        self._mtp_targets = mtp_targets(mtp_module) if mtp_module is not None else {}
+        """Rank 0 drafting with the MTP module: its tensors by full name (what a load and a push write)."""
         placed = (rank_weights.adopt(weights, share, self.device, self.comm) if isinstance(weights, torch.nn.Module)
-                  else rank_weights.load(config, weights, share, settings.dtype, self.device, self.comm))
+                  else rank_weights.load(config, weights, share, settings.dtype, self.device, self.comm,
+                                         also=self._mtp_targets))
         model, shards = placed.model, placed.shards
-        self.full_shapes = placed.full_shapes
-        """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against."""
+        self.full_shapes = {**placed.full_shapes, **(mtp_shapes(config, settings.dtype) if drafts_mtp else {})}
+        """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against (the MTP
+        module's too when the engine drafts with it: a push carries it)."""
         num_pages = settings.initial_pages
         pool = KVPool(KVPoolSpec.from_model(config), num_pages, settings.page_size, settings.dtype, self.device)
         self.state = RankState(view, pool, get_backend(settings.attention_backend), shards, self.comm)
         self.model = model
         self.runner = ModelRunner(model, EXECUTORS[settings.layout](self.state))
+        self.mtp = (MTPDrafter(mtp_module, model.model.embed_tokens, model.model.norm, model.lm_head.weight)
+                    if drafts_mtp else None)
+        """Drafting with the MTP module: every rank's drafter (rank 0's computes, engine/mtp_drafter.py)."""
+        drafter = self.mtp if drafts_mtp else SuffixDrafter() if settings.speculation != "off" else None
         self.scheduler = Scheduler(KVPlacement([num_pages] * t, settings.page_size, settings.layout),
                                    settings.max_num_batched_tokens, settings.max_num_seqs,
                                    ever_admits=self.can_ever_admit, admission=settings.admission,
-                                   prefix_sharing=settings.prefix_sharing,
-                                   drafter=SuffixDrafter() if settings.speculation != "off" else None,
+                                   prefix_sharing=settings.prefix_sharing, drafter=drafter,
                                    prefix_cache=settings.prefix_cache and not settings.return_routing)
         """This rank's replica: the same decisions on every rank."""
-        self.gate = (SpeculationGate(lambda step: price_step(self.layout, step), self.scheduler.drafter.stats)
+        self.gate = (SpeculationGate(lambda step: price_step(self.layout, step), self.scheduler.drafter.stats,
+                                     draft_cost=self.mtp.cost if self.mtp is not None else None,
+                                     draft_layer_share=1.0 / config.num_layers)
                      if settings.speculation == "auto" and rank == 0 and price_step is not None else None)
         """Rank 0 under ``speculation="auto"``: the draft cap of each step."""
         self.block_table = BlockTable(settings.max_num_seqs, self.device)
@@ -344,6 +375,8 @@ class Engine:
                             finished.extend(self.abort_all())
                         break
                     self.scheduler.draft_cap, switch = control.draft_cap, control.switch
+                    if self.mtp is not None:
+                        self.mtp.receive(control.drafts)
                     self.window = TokenWindow(control.window)
                 mid_step = True
                 with self.cpu_share.step():
@@ -357,7 +390,7 @@ class Engine:
                     if on_step is not None:
                         waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
                         on_step(StepEvent(self.num_steps - 1, self.layout.value, len(finished), len(finished) + waiting,
-                                          prev.sampled, self.step_log[-1]["seconds"]))
+                                          prev.written, self.step_log[-1]["seconds"]))
                 if self.heartbeat is not None:
                     self.heartbeat({"step": self.num_steps, "finished": len(finished)})
         except BaseException as e:
@@ -388,7 +421,10 @@ class Engine:
             window = window_steps(self.settings.decode_window, self.scheduler,
                                   None if max_steps is None else max_steps - steps,
                                   self.driver.quiet_steps(self.num_steps))
-        return StepControl(switch, draft_cap=cap, window=window)
+        drafts = ()
+        if self.mtp is not None and cap > 0:
+            drafts = self.mtp.draft([r for r in self.scheduler.running if not r.in_prefill], cap)
+        return StepControl(switch, draft_cap=cap, window=window, drafts=drafts)
 
     @property
     def _windows_possible(self) -> bool:
@@ -417,9 +453,14 @@ class Engine:
                                    else EXECUTORS[order[0].dst](self.state))  # its inputs sent before the forward
         clock.lap("batch")
         with self.hooks.forward(scheduled, batch):
-            logits = self._forward(batch, order)
+            hidden, logits = self._forward(batch, order)
         clock.lap("forward")
         step = self._finish(scheduled, batch, logits, order, plan)
+        if self.mtp is not None and self.rank == 0 and self.window.steps == 1:  # (a window's tokens are provisional)
+            if self.scheduler.draft_cap > 0:
+                self.mtp.shadow(self._shadow_rows(scheduled, batch, hidden))
+            else:  # drafts off (a wide batch): keep each request's last row, run nothing
+                self.mtp.hold(self._shadow_rows(scheduled, batch, hidden, last_only=True))
         clock.lap("sample")
         self._record(scheduled, batch, clock, control_bytes, switched=order is not None)
         return step
@@ -449,7 +490,7 @@ class Engine:
         if window.is_over:
             all_tokens, all_logprobs = self._gather_samples(sample_rank, *window.held(), batch.num_tokens)  # [K, S]
             ended = self._apply_samples(scheduled, all_tokens, all_logprobs)
-        step = _Step(len(sample_rank), ended)
+        step = _Step(self.scheduler.written if window.steps == 1 else len(sample_rank), ended)
         if order is not None:
             retire_source_pages(self.scheduler.placement, order[1])
         self.num_steps += 1
@@ -460,6 +501,8 @@ class Engine:
         """Rank 0: the step's log row, handed to the layout driver (dwell, online θ correction)."""
         if self.rank != 0:
             return
+        if self.mtp is not None:  # the module's passes: its chain (in control) and its rows after sampling
+            clock.split["mtp"] = self.mtp.take_spent()
         self.step_log.append(step_record(self.num_steps - 1, self.layout.value, scheduled, batch, self.scheduler,
                                          clock, control_bytes, self.cpu_share.current, self.driver.take_policy_s()))
         note = self.gate.take_change() if self.gate is not None else None
@@ -482,8 +525,8 @@ class Engine:
             return
         rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
         context = np.fromiter((s.end for s in scheduled), dtype=np.int64, count=len(scheduled))
-        self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)), record["seconds"],
-                          drafted=record["draft_tokens"] > 0)
+        self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)),  # θ prices the rows, not the module
+                          record["seconds"] - record["split_s"].get("mtp", 0.0), drafted=record["draft_tokens"] > 0)
 
     def _sampling_plan(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, executor) -> "_SamplePlan":
         """Who draws which of the step's samples, in scheduled order: one per sampling chunk, one per
@@ -593,22 +636,53 @@ class Engine:
         return self.world_size == 1 or layout is Layout.TP
 
     @torch.inference_mode()
-    def _forward(self, batch: ForwardBatch, order) -> torch.Tensor:
-        """This rank's part of one step; the logits [r, vocab] of the rows it samples."""
+    def _forward(self, batch: ForwardBatch, order) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one step: (the last layer's output [n, hidden] on the rows this rank
+        carries, the logits [r, vocab] of the rows it samples)."""
         if order is None:
+            hidden = None
             if self.graphs is not None and batch.num_real is not None and self._graphable(self.layout):
                 hidden = self.graphs.hidden(batch, self.layout)
-                if hidden is not None:
-                    return self.runner.logits(hidden, batch)
-            return self.runner.forward(batch)
+            if hidden is None:
+                hidden = self.runner.hidden(batch)
+            return hidden, self.runner.logits(hidden, batch)
         if self.graphs is not None:  # a switch replaces the projection shards (and may resize the pool)
             self.graphs.invalidate()
         switch = RankSwitch(order[0], self.state, [layer.self_attn for layer in self.model.model.layers],
                             self.transfer, self.tracked_bytes, self.page_size)
         self.runner.executor = EXECUTORS[order[0].dst](self.state)
-        logits = self.runner.forward(batch, before_layer=switch.before_layer)
+        hidden = self.runner.hidden(batch, before_layer=switch.before_layer)
         self.switch_measures.append(switch.measure())
-        return logits
+        return hidden, self.runner.logits(hidden, batch)
+
+    def _shadow_rows(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor,
+                     last_only: bool = False) -> list[ShadowRows]:
+        """Rank 0 after a step's tokens are applied: each request's verified rows this rank carries --
+        position i with token i + 1 now known -- with the decoder's last-layer output there, or only
+        the last of them; a follower forked off its leader's last prompt row
+        takes that row with its own first token. hidden: [n, hidden], the rows ``local_rows_host``
+        names (every row: None)."""
+        carried = self.runner.executor.local_rows_host(batch)
+        place = None if carried is None else {row: i for i, row in enumerate(carried)}
+        rows: list[ShadowRows] = []
+        row = 0
+        for seq in scheduled:
+            req, first, start = seq.request, row, seq.end - seq.num_new  # (``seq.start`` has moved on)
+            row += seq.num_new
+            if req.is_finished or (place is not None and first not in place):
+                continue
+            valid = min(seq.num_new, req.num_tokens - 1 - start)
+            if valid <= 0:
+                continue
+            at = first if place is None else place[first]
+            skip = valid - 1 if last_only else 0
+            states = hidden[at + skip: at + valid]  # [valid - skip, hidden], before the final norm
+            rows.append(ShadowRows(req.request_id, start + skip, req.tokens_at(start + skip + 1, valid - skip), states))
+            for fork in seq.forks:
+                if not fork.is_finished and fork.num_tokens == seq.end + 1:
+                    rows.append(ShadowRows(fork.request_id, seq.end - 1, [fork.output_ids[0]], states[-1:],
+                                           copy_from=req.request_id))
+        return rows
 
     def _enter(self, dst: Layout, blocking: bool):
         """Every rank at a step boundary: re-place the running histories under ``dst`` (the same on
@@ -696,13 +770,17 @@ class Engine:
         if self.asleep:
             raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
         validate_update(named, self.full_shapes, check_finite=False)  # values: checked once, by the caller
-        apply_update(self.model, self.state.shards, named)
+        apply_update(self._weight_targets(), named)
         self.scheduler.clear_cache()  # cached KV was computed by the old weights
 
     def held_parts(self) -> dict[str, list[tuple]]:
         """Full tensor name -> the parts of it this rank holds now (its current layout's heads, its
         experts and MLP slices): what a driver cuts a push for this rank by."""
-        return rank_weights.held_parts(rank_weights.rank_targets(self.model, self.state.shards))
+        return rank_weights.held_parts(self._weight_targets())
+
+    def _weight_targets(self) -> dict[str, list[Target]]:
+        """Full tensor name -> this rank's tensors holding a part of it (the drafting MTP module's on rank 0)."""
+        return {**rank_weights.rank_targets(self.model, self.state.shards), **self._mtp_targets}
 
     def update_parts(self, parts: list[tuple[str, tuple, torch.Tensor]]) -> None:
         """Every rank: parts of a validated push that a driver cut for this rank (``held_parts``)."""
@@ -710,7 +788,7 @@ class Engine:
 
         if self.asleep:
             raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
-        apply_parts(self.model, self.state.shards, parts)
+        apply_parts(self._weight_targets(), parts)
         self.scheduler.clear_cache()  # cached KV was computed by the old weights
 
     # ---- sleep / wake (every rank; engine/sleep.py) ----------------------------------------------

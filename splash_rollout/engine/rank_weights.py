@@ -150,10 +150,11 @@ def adopt(model: nn.Module, share: RankShare, device: torch.device, comm) -> Ran
 
 
 def load(config: ModelConfig, source: WeightSource, share: RankShare, dtype: torch.dtype, device: torch.device,
-         comm) -> RankWeights:
+         comm, also: dict[str, list[Target]] | None = None) -> RankWeights:
     """This rank's weights from a source: a storage-less model placed for the rank, storage for its
     own tensors only, then each filled with its part of the full tensor (parts no tensor holds are
-    never read)."""
+    never read). ``also``: more tensors to fill in the same pass (full name -> whole targets: the
+    drafting MTP module on rank 0)."""
     from splash_rollout.models.model import MLAForCausalLM
     from splash_rollout.models.mtp import is_mtp_name
 
@@ -163,6 +164,8 @@ def load(config: ModelConfig, source: WeightSource, share: RankShare, dtype: tor
     placed = place(model, share, comm)
     stack_rank_experts(model, device)
     shards = materialize_rank(model, placed, device)
-    load_into(source, rank_targets(model, shards), {n: s for n, (s, _) in full_shapes.items()},
-              config.tie_word_embeddings, unread=is_mtp_name)
+    also = also or {}
+    shapes = {**{n: s for n, (s, _) in full_shapes.items()}, **{n: tuple(t[0].tensor.shape) for n, t in also.items()}}
+    load_into(source, {**rank_targets(model, shards), **also}, shapes, config.tie_word_embeddings,
+              unread=is_mtp_name)
     return RankWeights(model, shards, full_shapes)

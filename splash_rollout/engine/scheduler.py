@@ -159,6 +159,8 @@ class Scheduler:
         """Tokens this step appended to its requests (sampled, drafts kept included)."""
         self.by_source: dict[str, list[int]] = {}
         """This step's verifications per draft source: [verified requests, drafted tokens, kept]."""
+        self.by_position: list[list[int]] = []
+        """This step's verifications per drafted position j: [drafts that reached j, kept at j]."""
         self.draft_cap = 0
         """Most drafted tokens per request this step (set before each step from the driver's control)."""
         self.cache = (PrefixCache(placement.managers, placement.page_size, placement.ownership)
@@ -231,7 +233,7 @@ class Scheduler:
         if self.cache is not None:
             self.cache.clock += 1
         self.drafts, self.accepted, self.accepted_sq, self.written = {}, 0, 0, 0
-        self.by_source = {}
+        self.by_source, self.by_position = {}, []
         self.estimate.stepped()
         plan = self._running_rows()
         if self.drafter is not None and self.draft_cap > 0:
@@ -549,6 +551,11 @@ class Scheduler:
         req.num_computed_tokens = start + kept  # the last token and the accepted drafts: their rows' KV
         self.drafter.observe(req, len(draft), accepted)
         credit(self.by_source, self.drafter.source(req), len(draft), accepted)
+        for j in range(len(draft)):  # per drafted position: drafted, kept
+            if j == len(self.by_position):
+                self.by_position.append([0, 0])
+            self.by_position[j][0] += 1
+            self.by_position[j][1] += accepted > j
         self.accepted += accepted
         self.accepted_sq += accepted * accepted
         self.written += kept

@@ -70,10 +70,19 @@ class SpeculationGate:
     def __init__(self, price: Callable[[StepBatch], float], stats: DraftStats, max_draft: int = 8,
                  prior_alpha: float = 0.5, prior_weight: float = 16.0, reprice_steps: int = 8,
                  min_observed: int = 4, explore_every: int = 4, min_verified: int = 16,
-                 regime_steps: int = 16) -> None:
+                 regime_steps: int = 16, draft_cost: Callable[[int, int], float | None] | None = None,
+                 draft_layer_share: float = 0.0, explore_margin: float = 0.8) -> None:
         """price: predicted seconds of a step batch in the current layout (the cost model, corrected
-        online where the engine has a correction); stats: the drafter's running record."""
+        online where the engine has a correction); stats: the drafter's running record; draft_cost:
+        (cap, drafting requests) -> seconds the drafter itself spends on such a step, measured (a draft
+        model's passes), or None before it has measured any -- then each of the cap's passes is priced
+        at ``draft_layer_share`` of a plain step (the MTP module: one decoder layer of the model's);
+        None: drafting is free (the n-gram index's lookups are next to a step). explore_margin: a kind
+        the gate did not choose is run to be measured only where it is predicted at least this share
+        of the chosen one's tokens per second (a draft model's drafts are not tried where the model
+        already prices them out)."""
         self.price, self.stats, self.max_draft = price, stats, max_draft
+        self.draft_cost, self.draft_layer_share, self.explore_margin = draft_cost, draft_layer_share, explore_margin
         self.prior_alpha, self.prior_weight, self.reprice_steps = prior_alpha, prior_weight, reprice_steps
         self.min_observed, self.explore_every = min_observed, explore_every
         self.min_verified = min_verified
@@ -230,7 +239,7 @@ class SpeculationGate:
         seen = self.observed.get((self.width(context.size), bool(other)), 0)
         if (context.size and not prefill_rows and seen < self.min_observed
                 and step - self._explored_at >= self.explore_every
-                and (not other or self.hit_rate() * context.size >= 1)):
+                and (not other or self.hit_rate() * context.size >= 1) and self._worth_exploring(choice, other)):
             self._explored_at = step  # measure the kind not chosen: what the correction needs
             return GateChoice(other, f"measuring a {'drafted' if other else 'plain'} step", choice.tokens_per_s)
         return choice
@@ -281,6 +290,8 @@ class SpeculationGate:
             unmeasured_cap = 0 if plain is None else best_drafted
             if (modelled.cap > 0) == (unmeasured_cap > 0):  # θ runs the unmeasured kind: measured as it runs
                 return self._logged(step, modelled)
+            if not self._worth_exploring(modelled, unmeasured_cap):  # priced out: not worth a run to measure
+                return self._logged(step, modelled)
             self._block = (w, unmeasured_cap, step + self.regime_steps - 1)  # θ would not run it: a run of it
         cap = self._block[1]
         return self._logged(step, GateChoice(cap, f"measuring a run of {'drafted' if cap else 'plain'} steps "
@@ -325,6 +336,18 @@ class SpeculationGate:
             out[cap] = self.price(StepBatch.make(ctx, rows, owners))
         return out
 
+    def _drafting_seconds(self, cap: int, drafted: int, plain_seconds: float) -> float:
+        """What the drafter spends on a step of ``cap`` for ``drafted`` requests (``draft_cost``)."""
+        if self.draft_cost is None:
+            return 0.0
+        measured = self.draft_cost(cap, drafted)
+        return measured if measured is not None else cap * self.draft_layer_share * plain_seconds
+
+    def _worth_exploring(self, choice: GateChoice, other: int) -> bool:
+        """Whether the kind not chosen is predicted close enough to the chosen one to measure it."""
+        rates = choice.tokens_per_s
+        return not other or rates.get(other, 0.0) >= self.explore_margin * rates.get(choice.cap, 0.0)
+
     def _rated(self, b: int, drafted: int, f: float, theta: dict[int, float],
                steps_left: float | None) -> GateChoice:
         """Per cap, with θ's seconds, the measured overhead and the measured yield: tokens per second
@@ -332,7 +355,8 @@ class SpeculationGate:
         alpha, overhead = self.alpha(), self.draft_overhead(b)
         rates = {}
         for cap, seconds in theta.items():
-            seconds *= overhead if cap else 1.0
+            if cap:
+                seconds = seconds * overhead + self._drafting_seconds(cap, drafted, theta[0])
             if steps_left is None:
                 gain = self.per_request(cap)[1] if cap else 0.0
                 rates[cap] = (b + drafted * gain) / seconds if seconds > 0 else 0.0

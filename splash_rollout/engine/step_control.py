@@ -3,7 +3,8 @@
 Every rank runs the same scheduler replica -- admission, owners, page grants, chunked prefill and
 switch re-placement are deterministic functions of the requests and the tokens sampled so far --
 so the driver only sends what the other ranks cannot compute themselves: a switch it decided (the
-policy's choice, ``switch_layout`` or a schedule), the draft cap, whether to stop, and how many steps
+policy's choice, ``switch_layout`` or a schedule), the draft cap (and the MTP module's drafts, which
+rank 0 alone computes: a few bytes per drafting request), whether to stop, and how many steps
 the message covers (a token window under DP-attention, engine/token_window.py). The sampled
 tokens are not in it: every rank samples its share of a step's rows and one all-gather at the end
 of the step brings every replica all of them (``Engine._gather_samples``, which also checks that the
@@ -32,6 +33,9 @@ class StepControl:
     """With ``stop``: the driver failed between steps; every rank raises with this reason."""
     draft_cap: int = 0
     """Most drafted tokens a decoding request verifies this step (0: none; engine/speculation_gate.py)."""
+    drafts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """Drafting with the MTP module: (request id, drafted tokens) computed on rank 0 for this step
+    (engine/mtp_drafter.py); every rank's scheduler verifies exactly these."""
     window: int = 1
     """Steps the ranks run before the next message and the next exchange of sampled tokens (a token
     window, engine/token_window.py; 1: this step only)."""

@@ -39,6 +39,7 @@ def step_record(step: int, layout: str, scheduled: list[ScheduledSeq], batch: Fo
         "draft_tokens": sum(len(s.draft) for s in scheduled), "verified": sum(bool(s.draft) for s in scheduled),
         "accepted_tokens": sched.accepted, "accepted_sq": sched.accepted_sq, "draft_cap": sched.draft_cap,
         "tokens_written": sched.written, "draft_sources": sched.by_source,
+        "draft_positions": sched.by_position,
         "forks": sum(len(s.forks) for s in scheduled), "retracted": len(sched.retracted),
         "prefix_hit_tokens": sched.prefix_hit_tokens, "cached_tokens": sched.cached_tokens,
         "pages_used": sched.placement.pages_in_use, "pages_cached": sched.placement.pages_cached,

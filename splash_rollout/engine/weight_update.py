@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from splash_rollout.engine.rank_weights import rank_targets
 from splash_rollout.models.packed_linear import PACKED
 
 
@@ -101,12 +100,12 @@ def _inexact_cast(t: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 @torch.inference_mode()
-def apply_update(model, shards, named: Mapping[str, torch.Tensor]) -> None:
-    """Copy validated full tensors into the parts of them this rank holds (``rank_targets``: its
-    heads, experts and MLP slices, the replicated rest). Inference mode: a live switch builds the
+def apply_update(targets: Mapping[str, list], named: Mapping[str, torch.Tensor]) -> None:
+    """Copy validated full tensors into the parts of them this rank holds (``targets``: full name ->
+    its ``Target``s here -- ``rank_targets``' heads, experts and MLP slices and the replicated rest,
+    and the drafting MTP module where this rank holds it). Inference mode: a live switch builds the
     destination's shards inside a serving step, as inference tensors, and those only take in-place
     writes under it (normal tensors take them there too)."""
-    targets = rank_targets(model, shards)
     for name, full in named.items():
         for target in targets.get(name, ()):
             target.tensor.copy_(full[target.index] if target.index else full)
@@ -114,10 +113,10 @@ def apply_update(model, shards, named: Mapping[str, torch.Tensor]) -> None:
 
 
 @torch.inference_mode()
-def apply_parts(model, shards, parts: list[tuple[str, tuple, torch.Tensor]]) -> None:
+def apply_parts(targets: Mapping[str, list], parts: list[tuple[str, tuple, torch.Tensor]]) -> None:
     """Copy parts a driver already cut for this rank ((full name, part, values), as ``held_parts``
-    named them) into the tensors that hold them. A part this rank does not hold is an error."""
-    targets = rank_targets(model, shards)
+    named them) into the tensors that hold them (``targets``, as ``apply_update``'s). A part this
+    rank does not hold is an error."""
     for name, index, part in parts:
         held = [t for t in targets.get(name, ()) if t.index == index]
         if not held:

@@ -98,7 +98,8 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                           prefix_cache=memory.prefix_cache,
                           return_routing=config.outputs.return_routing,
                           cpu_share=config.compute.cpu_share, driver=config.driver,
-                          speculation=config.compute.speculation, feed_forward=config.parallel.feed_forward,
+                          speculation=config.compute.speculation,
+                          draft=config.draft_source(model_config) or "ngram", feed_forward=config.parallel.feed_forward,
                           decode_window=config.parallel.decode_window, cuda_graphs=config.compute.cuda_graphs,
                           graph_reserve_bytes=reserve, max_model_len=max_len)
 

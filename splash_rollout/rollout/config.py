@@ -117,17 +117,45 @@ class EngineConfig:
         if compute.cuda_graphs == "on" and not str(self.parallel.device).startswith("cuda"):
             raise ValueError(f"compute.cuda_graphs='on' needs parallel.device='cuda', got {self.parallel.device!r} "
                              f"(use 'auto': graphs where the device is CUDA)")
+        if compute.draft == "mtp" and compute.speculation != "off":
+            model = self.source_model()
+            if model.num_mtp_layers < 1:
+                raise ValueError(f"compute.draft='mtp': the model {model.name!r} has no MTP module "
+                                 f"(num_nextn_predict_layers / num_mtp_layers is 0, or its checkpoint holds none); "
+                                 f"use compute.draft='ngram' or 'auto'")
         if compute.attention_backend == "flashmla" and (self.memory.page_size != 64 or self.model.dtype != "bfloat16"):
             raise ValueError("compute.attention_backend='flashmla': FlashMLA reads bfloat16 pages of 64 tokens; got "
                              f"memory.page_size={self.memory.page_size}, model.dtype={self.model.dtype!r}")
 
     def served_model(self):
-        """The ``ModelConfig`` the engine builds: ``model.source`` resolved, without its MTP modules
-        (models/mtp.py) -- the engine does not draft with them, so it neither loads nor holds them
-        (a checkpoint's are skipped with a note, a weight push's are left out)."""
-        from splash_rollout.models.config import resolve_model
+        """The ``ModelConfig`` the engine builds: ``model.source`` resolved, with its first MTP module
+        (models/mtp.py) when the engine drafts with it (``draft_source``), else without any -- an engine
+        neither loads nor holds modules it does not run (a checkpoint's are skipped with a note, a
+        weight push's are left out)."""
+        model = self.source_model()
+        return model.replace(num_mtp_layers=1 if self.draft_source(model) == "mtp" else 0)
 
-        return resolve_model(self.model.source).replace(num_mtp_layers=0)
+    def source_model(self):
+        """``model.source`` resolved, with the MTP modules a checkpoint's files actually hold
+        (``weights.checkpoint_config``: a config.json may declare modules a ``save_pretrained`` dropped)."""
+        from splash_rollout.models.config import resolve_model
+        from splash_rollout.models.weights import checkpoint_config
+
+        source = self.model.source
+        if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+            return checkpoint_config(source)
+        return resolve_model(source)
+
+    def draft_source(self, model=None) -> str | None:
+        """Where the engine's drafts come from: ``mtp``, ``ngram``, or None (``speculation="off"``).
+        ``compute.draft="auto"`` takes the MTP module where ``model`` (default: ``model.source``
+        resolved) has one."""
+        if self.compute.speculation == "off":
+            return None
+        if self.compute.draft != "auto":
+            return self.compute.draft
+        model = model or self.source_model()
+        return "mtp" if model.num_mtp_layers >= 1 else "ngram"
 
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with some groups (or, for this release, flat names) changed."""

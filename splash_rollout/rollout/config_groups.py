@@ -16,6 +16,7 @@ from splash_rollout.models.numerics import NUMERICS_MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATION_MODES = ("off", "always", "auto")
+DRAFT_SOURCES = ("auto", "mtp", "ngram")
 
 
 def _is_int(value: Any) -> bool:
@@ -228,6 +229,14 @@ class ComputeOptions:
     the cost model, with the measured acceptance, predicts more tokens per second (as the batch
     drains) and, while requests wait, where drafted steps measured faster; ``off`` decodes one token
     a step. The tokens are the same in all three."""
+    draft: str = "auto"
+    """Where drafts come from under ``speculation`` ``always`` / ``auto``: ``mtp``, the model's own
+    multi-token-prediction module (DeepSeek-V3 / GLM-5 ``num_nextn_predict_layers``), run on rank 0
+    after each drafting step and chained for the draft's later tokens, each drafted token the
+    sampler's draw from the module with the verifier's own uniform (engine/mtp_drafter.py); refused
+    for a model without one. ``ngram``: text the samples have seen (engine/drafter.py). ``auto``
+    (default): ``mtp`` where the model has the module, else ``ngram``. The engine holds the module
+    (rank 0, whole) only when it drafts with it."""
     cpu_share: bool = True
     """On CPU with one rank: each step uses only the cores other processes leave free (read from
     /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or
@@ -274,6 +283,8 @@ class ComputeOptions:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
+        if self.draft not in DRAFT_SOURCES:
+            raise ValueError(f"draft: expected one of {DRAFT_SOURCES}, got {self.draft!r}")
         for name in ("cpu_share", "flush_denormal", "retain_heap", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")

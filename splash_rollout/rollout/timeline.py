@@ -118,12 +118,23 @@ def speculation_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
     """``spec/*`` of one call: drafted tokens verified, drafted tokens kept, tokens a verified row
     yields (the kept drafts plus the token sampled after them, per verified row) and steps that
     verified any draft; per draft source (``spec/verified/<source>``, ``spec/acceptance_len/<source>``:
-    group, history, own, prompt -- where the draft's first token was last seen)."""
+    group, history, own, prompt -- where the draft's first token was last seen --, and mtp, the model's
+    MTP module); ``spec/accepted_at/<j>``: of the drafts that reached position j (1-based), the share
+    whose token j was kept."""
     drafted, verified = sum(s.get("draft_tokens", 0) for s in steps), sum(s.get("verified", 0) for s in steps)
     accepted = sum(s.get("accepted_tokens", 0) for s in steps)
     out = {"spec/draft_tokens": float(drafted), "spec/accepted_tokens": float(accepted),
            "spec/acceptance_len": (accepted + verified) / verified if verified else 0.0,
            "spec/steps_on": float(sum(s.get("draft_tokens", 0) > 0 for s in steps))}
+    by_position: list[list[int]] = []
+    for s in steps:
+        for j, (drafted_j, kept_j) in enumerate(s.get("draft_positions", ())):
+            if j == len(by_position):
+                by_position.append([0, 0])
+            by_position[j][0] += drafted_j
+            by_position[j][1] += kept_j
+    for j, (drafted_j, kept_j) in enumerate(by_position):
+        out[f"spec/accepted_at/{j + 1}"] = kept_j / drafted_j
     for source in DRAFT_SOURCES:
         counts = [s["draft_sources"][source] for s in steps if source in s.get("draft_sources", ())]
         v, kept = sum(c[0] for c in counts), sum(c[2] for c in counts)

@@ -50,3 +50,29 @@ def test_every_layout_and_random_switches_write_what_one_rank_writes(oracle):
             switches += batch.metrics["layout/switches"]
     assert accepted > 0 and switches >= 4
 
+
+
+@pytest.mark.timeout(300)
+def test_mtp_drafts_from_rank_0_write_what_one_rank_writes_through_switches(oracle):
+    """Rank 0 alone runs the MTP module; its drafts reach the other rank in the control message, so
+    both verify the same rows in every layout and across live switches (the module's rows that
+    DP-attention leaves on rank 1 are skipped: fewer drafts, the same tokens). The module is pushed
+    (``mirror_mtp``: it drafts what a repetitive model keeps), so drafts are kept, not only rejected."""
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.models.model import MLAForCausalLM
+    from tests.unit.test_mtp_drafter import mirror_mtp
+
+    rng = random.Random(1)
+    schedule = {step: rng.choice(["tp", "dp", "dop", "cp"]) for step in sorted(rng.sample(range(2, 90), 12))}
+    config = EngineConfig(model="glm5-nano", world_size=2, layout="tp", speculation="always", draft="mtp",
+                          numerics="reproducible", page_size=4, switch_schedule=schedule)
+    with RolloutEngine(config) as engine:
+        engine.update_weights(mirror_mtp(MLAForCausalLM.from_config(resolve_model("glm5-nano"), seed=0)), version=1)
+        accepted, switches = 0.0, 0.0
+        for params, want in zip(PARAMS, oracle):
+            batch = engine.generate(PROMPTS, params)
+            _assert_same(_outputs(batch), want)
+            accepted += batch.metrics["spec/accepted_tokens"]
+            switches += batch.metrics["layout/switches"]
+            assert batch.metrics["spec/verified/group"] == 0  # every draft is the module's
+    assert accepted > 0 and switches >= 4

@@ -167,7 +167,7 @@ def test_string_prompts_and_mixed_sampling_on_preset():
 def test_failed_step_leaves_no_pages_behind(monkeypatch):
     with RolloutEngine(EngineConfig(model="glm5-nano", num_pages=32, page_size=4)) as eng:
         calls = {"n": 0}
-        real = eng.local_engine.runner.forward
+        real = eng.local_engine.runner.hidden
 
         def flaky(batch, **kwargs):
             calls["n"] += 1
@@ -175,7 +175,7 @@ def test_failed_step_leaves_no_pages_behind(monkeypatch):
                 raise RuntimeError("boom")
             return real(batch, **kwargs)
 
-        monkeypatch.setattr(eng.local_engine.runner, "forward", flaky)
+        monkeypatch.setattr(eng.local_engine.runner, "hidden", flaky)
         with pytest.raises(RuntimeError, match="boom"):
             eng.generate([[2, 3, 4], [5, 6]], SamplingParams(max_new_tokens=8, ignore_eos=True))
         _assert_pages_free(eng)

@@ -163,11 +163,33 @@ def test_glm5_nano_has_one_mtp_module_and_the_same_decoder_weights():
     assert all(torch.equal(with_mtp[k], v) for k, v in without.items())  # the MTP draws come last
 
 
+def test_an_engine_that_drafts_with_the_module_loads_it_and_a_push_carries_it(published, caplog):
+    from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    with caplog.at_level(logging.INFO, logger="splash_rollout.models.weights"):
+        engine = RolloutEngine(EngineConfig(model=os.fspath(published), speculation="always",
+                                            memory={"num_pages": 64, "page_size": 16}))  # draft="auto": the module
+    with engine:
+        assert engine.model_config.num_mtp_layers == 1 and "skipped MTP" not in caplog.text
+        module = engine.local_engine.mtp.module
+        assert len(engine.model.model.mtp_layers) == 0  # the served model never holds it: rank 0's drafter does
+        want = MLAForCausalLM.from_pretrained(os.fspath(published)).model.mtp_layers[0].state_dict()
+        assert all(torch.equal(module.state_dict()[k], v) for k, v in want.items())
+        trained = MLAForCausalLM.from_config(CFG, seed=9).state_dict()
+        engine.update_weights(trained, version=1)
+        assert torch.equal(module.eh_proj.weight, trained["model.mtp_layers.0.eh_proj.weight"])
+        batch = engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=12, seed=1, ignore_eos=True))
+        assert batch.metrics["spec/verified/mtp"] > 0
+        with pytest.raises(ValueError, match="shape"):
+            engine.update_weights({"model.mtp_layers.0.eh_proj.weight": torch.zeros(3, 3)})
+
+
 def test_an_engine_serves_without_the_mtp_module_and_takes_a_push_that_carries_it(published, caplog):
     from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 
     with caplog.at_level(logging.INFO, logger="splash_rollout.models.weights"):
-        engine = RolloutEngine(EngineConfig(model=os.fspath(published), memory={"num_pages": 64, "page_size": 16}))
+        engine = RolloutEngine(EngineConfig(model=os.fspath(published), draft="ngram",
+                                            memory={"num_pages": 64, "page_size": 16}))
     with engine:
         assert engine.model_config.num_mtp_layers == 0 and len(engine.model.model.mtp_layers) == 0
         assert f"skipped MTP layers [{CFG.num_layers}]" in caplog.text

@@ -102,6 +102,7 @@ def test_sleep_drops_the_packed_copies_and_wake_packs_again():
 
 def test_a_switch_built_inference_weight_is_packed_and_a_weight_update_drops_the_copy():
     from splash_rollout.engine.weight_update import apply_update
+    from splash_rollout.models.weights import Target
 
     with torch.inference_mode():  # how a live switch builds a shard inside a serving step
         weight = torch.randn(48, 64)
@@ -109,10 +110,6 @@ def test_a_switch_built_inference_weight_is_packed_and_a_weight_update_drops_the
         assert torch.allclose(packed_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
         assert PACKED.get(weight) is PACKED.get(weight)
         weight.copy_(torch.randn(48, 64))  # no version to see; the update path says so instead
-    model = torch.nn.Module()
-    model.register_buffer("w", torch.zeros(2))
-    model.model = torch.nn.Module()
-    model.model.layers = []
-    apply_update(model, [], {"w": torch.ones(2)})
+    apply_update({"w": [Target(torch.zeros(2))]}, {"w": torch.ones(2)})
     with torch.inference_mode():
         assert torch.allclose(packed_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -29,10 +29,11 @@ def _cut(engine: RolloutEngine, params: SamplingParams):
     return partial
 
 
-@pytest.mark.parametrize("temperature, speculation", [(0.0, "off"), (1.0, "off"), (1.0, "always")])
-def test_a_resumed_sample_is_the_uninterrupted_one(temperature, speculation):
+@pytest.mark.parametrize("temperature, speculation, draft",
+                         [(0.0, "off", "auto"), (1.0, "off", "auto"), (1.0, "always", "ngram"), (1.0, "always", "mtp")])
+def test_a_resumed_sample_is_the_uninterrupted_one(temperature, speculation, draft):
     params = SamplingParams(n=2, temperature=temperature, max_new_tokens=24, ignore_eos=True, seed=4)
-    with RolloutEngine(EngineConfig(**CFG, speculation=speculation)) as engine:
+    with RolloutEngine(EngineConfig(**CFG, speculation=speculation, draft=draft)) as engine:
         whole = {(tuple(s.prompt_ids), s.seed): s for s in engine.generate(PROMPTS, _per_prompt(params)).samples}
         partial = _cut(engine, params)
         done = engine.resume(partial)

@@ -2,7 +2,8 @@
 ``speculation="always"`` every sample's tokens (and, under reproducible numerics, logprobs) equal
 ``"off"``'s -- greedy and seeded sampling, groups that share their prompt's KV, stop tokens, the
 context limit, a pool small enough to retract, multi-turn continuation -- and no page is held after
-a call. The drafter proposes what followed the longest match among the prompt's samples. The
+a call. The drafter here is the n-gram one (``draft="ngram"``), which proposes what followed the longest match among
+the prompt's samples; the MTP module's drafts are in tests/unit/test_mtp_drafter.py. The
 multi-rank layouts and live switches are in tests/distributed/test_speculation_ranks.py."""
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ STOP = 106
 
 def _engine(speculation: str) -> RolloutEngine:
     # 40 pages of 4 tokens: a few requests at their cap fill it, so optimistic admission retracts
-    return RolloutEngine(EngineConfig(model="glm5-nano", speculation=speculation, numerics="reproducible",
+    return RolloutEngine(EngineConfig(model="glm5-nano", speculation=speculation, draft="ngram", numerics="reproducible",
                                       num_pages=40, page_size=4, max_model_len=MAX_LEN, max_num_batched_tokens=64,
                                       max_num_seqs=12))
 
@@ -68,16 +69,25 @@ def test_drafts_are_verified_and_cut_steps_on_a_repetitive_group(engines):
     assert a.metrics["spec/draft_tokens"] == 0 and a.metrics["spec/steps_on"] == 0
 
 
-def test_routing_of_the_kept_tokens_is_what_off_records():
+@pytest.mark.parametrize("draft", ["ngram", "mtp"])
+def test_routing_of_the_kept_tokens_is_what_off_records(draft):
     """Verified rows route drafted tokens; a rejected one's position is run again with the kept token
-    and the rows past a request's end are cut: every sample's routing equals speculation='off''s."""
+    and the rows past a request's end are cut: every sample's routing equals speculation='off''s. The
+    MTP module's own router (it drafts with a mirrored module, whose drafts are kept) is no layer of it."""
+    from splash_rollout.models.config import resolve_model
+    from splash_rollout.models.model import MLAForCausalLM
+    from tests.unit.test_mtp_drafter import mirror_mtp
+
     prompts = [[5, 6, 7, 8] * 4, [3, 9] * 5]
     # a stop token inside a verified draft ends the request with drafted rows run past its end
     params = SamplingParams(n=4, temperature=1.0, top_k=3, max_new_tokens=30, stop_token_ids=(STOP,), seed=3)
     batches = []
     for speculation in ("off", "always"):
-        with RolloutEngine(EngineConfig(model="glm5-nano", speculation=speculation, numerics="reproducible",
-                                        return_routing=True, max_model_len=MAX_LEN)) as engine:
+        with RolloutEngine(EngineConfig(model="glm5-nano", speculation=speculation, draft=draft,
+                                        numerics="reproducible", return_routing=True, max_model_len=MAX_LEN)) as engine:
+            if speculation == "always" and draft == "mtp":
+                engine.update_weights(mirror_mtp(MLAForCausalLM.from_config(resolve_model("glm5-nano"), seed=0)),
+                                      version=1)
             batches.append(engine.generate(prompts, params))
     off, on = batches
     _same(off, on)

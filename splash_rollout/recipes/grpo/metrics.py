@@ -1,8 +1,12 @@
 """Per-step records of a GRPO run under slash keys: rollout/*, reward/*, perf/*, layout/*, memory/*,
 timing_s/*.
 
-``WALL_CLOCK_PREFIXES`` names the records that measure time or the process's resident set and so
-differ between two runs of the same numbers; everything else in a row is a function of the run's
+``WALL_CLOCK_PREFIXES`` names the records that measure time or the process's resident set, or follow
+them -- under ``speculation="auto"`` the gate drafts where measured seconds say it pays, so the
+engine's steps, the drafts, the KV occupancy per step and (where a stopped call cuts its samples,
+which the next step resumes) the prompt rows prefilled and found cached follow the clock (the tokens
+do not) -- and
+so differ between two runs of the same numbers; everything else in a row is a function of the run's
 config and seed (reproducible numerics: bit for bit, also across a checkpoint and resume).
 """
 from __future__ import annotations
@@ -15,7 +19,8 @@ from splash_rollout.reporting.timeline import layout_metrics
 from splash_rollout.rollout.types import RolloutBatch
 
 WALL_CLOCK_PREFIXES = ("timing_s/", "perf/tokens_per_s", "layout/time_share/", "layout/switch_overhead_ms",
-                       "memory/rss")
+                       "memory/rss", "perf/engine_steps", "spec/", "memory/kv_used_", "rollout/prefill_rows",
+                       "rollout/prefix_hit_tokens")
 
 
 ENGINE_MEMORY_KEYS = ("rollout/retractions", "rollout/prefix_hit_tokens", "rollout/prefill_rows",
