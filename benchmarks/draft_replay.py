@@ -266,7 +266,7 @@ class MTPDrafter:
                     rid += 1
 
     def _pick(self, logits, spec, draw: int) -> int:
-        from splash_rollout.recipes.grpo.mtp_training import coupled_drafts
+        from splash_rollout.engine.mtp_drafter import coupled_drafts
 
         if self.coupled:
             return int(coupled_drafts(logits[None], [spec], [draw])[0])

@@ -13,14 +13,16 @@ policy writes, and a random-init model writes noise. Two workloads on one engine
   running slots (``max_num_seqs``): the queue refills the batch as samples finish, like an RL
   step's wide phase, so throughput is what the call's time measures.
 
-Arms (``off``, ``always``, ``auto``: the cost-model gate) alternate call by call on engines built
-once, ``--rounds`` each;
+Arms ``speculation[:draft]`` (``off``; ``always`` or ``auto``, the cost-model gate; drafts from
+``ngram``, the n-gram drafter, or ``mtp``, the policy's own MTP module) alternate call by call on
+engines built once, ``--rounds`` each;
 every call gets fresh prompts (the same for both arms in a round), so the prompt history the
 drafter keeps across calls is what a GRPO run on fresh prompts would have. Per call: wall seconds,
 the tail's seconds (steps run with the batch at or below 1/8 of the call's peak; the step log's
 times), engine steps (target forward passes) per generated token, and the ``spec/*`` metrics --
 per draft source too (the group's samples, earlier calls' responses, the sample's own text, its
-prompt: where each draft's first token was last seen).
+prompt: where each draft's first token was last seen; the MTP module), and the share of drafts kept
+at each drafted position (median over calls).
 Tokens are checked equal between the arms (the same seeds: speculation must not change them).
 
     python benchmarks/speculative.py --json docs/results/speculative.json
@@ -184,6 +186,8 @@ def main() -> int:
                 "accepted_per_drafted": (sum(r["spec/accepted_tokens"] for r in on)
                                          / max(1.0, sum(r["spec/draft_tokens"] for r in on))),
                 "steps_on_share": sum(r["spec/steps_on"] for r in on) / max(1, sum(r["steps"] for r in on)),
+                "accepted_at": {j: med([r for r in on if f"spec/accepted_at/{j}" in r], f"spec/accepted_at/{j}")
+                                for j in range(1, 9) if any(f"spec/accepted_at/{j}" in r for r in on)},
                 "by_source": by_source(on)}
     out = {"params": p, "policy": policy_path, "threads": args.threads, "numerics": args.numerics, "load_1min": [min(loads), max(loads)],
            "tokens_equal": True, "summary": summary, "rounds": results,

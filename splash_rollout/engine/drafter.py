@@ -76,9 +76,9 @@ the sample itself (``own``), its prompt; ``mtp``: the model's MTP module (engine
 
 
 def next_cap(max_draft: int, drafted: int, accepted: int) -> int:
-    """A request's draft cap after a verification: after a full acceptance it doubles (up to
-    ``max_draft``), after a rejection at most twice what was accepted plus one."""
-    return min(max_draft, 2 * drafted) if accepted == drafted else max(1, 2 * accepted + 1)
+    """A request's draft cap after a verification: after a full acceptance it doubles, after a
+    rejection twice what was accepted plus one; never above ``max_draft``."""
+    return min(max_draft, 2 * drafted if accepted == drafted else max(1, 2 * accepted + 1))
 
 
 def credit(table: dict[str, list[int]], source: str, drafted: int, kept: int) -> None:

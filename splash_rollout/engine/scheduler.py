@@ -160,7 +160,8 @@ class Scheduler:
         self.by_source: dict[str, list[int]] = {}
         """This step's verifications per draft source: [verified requests, drafted tokens, kept]."""
         self.by_position: list[list[int]] = []
-        """This step's verifications per drafted position j: [drafts that reached j, kept at j]."""
+        """This step's verifications per drafted position j: [drafts whose tokens before j were all kept
+        and that drafted a token j, of those the ones whose token j was kept]."""
         self.draft_cap = 0
         """Most drafted tokens per request this step (set before each step from the driver's control)."""
         self.cache = (PrefixCache(placement.managers, placement.page_size, placement.ownership)
@@ -551,7 +552,7 @@ class Scheduler:
         req.num_computed_tokens = start + kept  # the last token and the accepted drafts: their rows' KV
         self.drafter.observe(req, len(draft), accepted)
         credit(self.by_source, self.drafter.source(req), len(draft), accepted)
-        for j in range(len(draft)):  # per drafted position: drafted, kept
+        for j in range(min(len(draft), accepted + 1)):  # per position reached with every earlier draft kept
             if j == len(self.by_position):
                 self.by_position.append([0, 0])
             self.by_position[j][0] += 1

@@ -235,8 +235,9 @@ class ComputeOptions:
     after each drafting step and chained for the draft's later tokens, each drafted token the
     sampler's draw from the module with the verifier's own uniform (engine/mtp_drafter.py); refused
     for a model without one. ``ngram``: text the samples have seen (engine/drafter.py). ``auto``
-    (default): ``mtp`` where the model has the module, else ``ngram``. The engine holds the module
-    (rank 0, whole) only when it drafts with it."""
+    (default): ``mtp`` where the model has the module and a pass of it is at most 1/8 of a step (a
+    decoder of 8 layers or more: DeepSeek-V3, GLM-5), else ``ngram`` (glm5-nano's 4 layers: measured
+    slower with the module). The engine holds the module (rank 0, whole) only when it drafts with it."""
     cpu_share: bool = True
     """On CPU with one rank: each step uses only the cores other processes leave free (read from
     /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or

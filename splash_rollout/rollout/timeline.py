@@ -119,8 +119,8 @@ def speculation_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
     yields (the kept drafts plus the token sampled after them, per verified row) and steps that
     verified any draft; per draft source (``spec/verified/<source>``, ``spec/acceptance_len/<source>``:
     group, history, own, prompt -- where the draft's first token was last seen --, and mtp, the model's
-    MTP module); ``spec/accepted_at/<j>``: of the drafts that reached position j (1-based), the share
-    whose token j was kept."""
+    MTP module); ``spec/accepted_at/<j>``: of the drafts with a token j (1-based) whose earlier tokens
+    were all kept, the share whose token j was kept too (the chance a draft goes on at j)."""
     drafted, verified = sum(s.get("draft_tokens", 0) for s in steps), sum(s.get("verified", 0) for s in steps)
     accepted = sum(s.get("accepted_tokens", 0) for s in steps)
     out = {"spec/draft_tokens": float(drafted), "spec/accepted_tokens": float(accepted),

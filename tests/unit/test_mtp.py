@@ -167,8 +167,8 @@ def test_an_engine_that_drafts_with_the_module_loads_it_and_a_push_carries_it(pu
     from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 
     with caplog.at_level(logging.INFO, logger="splash_rollout.models.weights"):
-        engine = RolloutEngine(EngineConfig(model=os.fspath(published), speculation="always",
-                                            memory={"num_pages": 64, "page_size": 16}))  # draft="auto": the module
+        engine = RolloutEngine(EngineConfig(model=os.fspath(published), speculation="always", draft="mtp",
+                                            memory={"num_pages": 64, "page_size": 16}))
     with engine:
         assert engine.model_config.num_mtp_layers == 1 and "skipped MTP" not in caplog.text
         module = engine.local_engine.mtp.module

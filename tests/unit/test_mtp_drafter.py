@@ -153,3 +153,18 @@ def test_the_mirrored_module_is_kept_and_credited_to_mtp(engines):
     assert batch.metrics["spec/acceptance_len/mtp"] > 1.5
     assert batch.metrics["spec/accepted_at/1"] > 0.5
     assert batch.metrics["perf/steps"] < off.generate([[5, 6, 7, 8, 9] * 4, [3] * 10], params).metrics["perf/steps"]
+
+
+def test_auto_drafts_with_the_module_where_it_is_a_small_share_of_a_step():
+    assert EngineConfig(model="glm5-nano", speculation="always").draft_source() == "ngram"  # 1 of 4 layers
+    assert EngineConfig(model="glm-5", speculation="always").draft_source() == "mtp"
+    assert EngineConfig(model="kimi-k2", speculation="always").draft_source() == "ngram"  # no module
+    assert EngineConfig(model="glm-5", speculation="off").draft_source() is None
+    assert EngineConfig(model="glm5-nano", speculation="always").served_model().num_mtp_layers == 0
+    assert EngineConfig(model="glm5-nano", draft="mtp", speculation="always").served_model().num_mtp_layers == 1
+
+
+def test_a_requests_cap_never_passes_the_drafters_most():
+    from splash_rollout.engine.drafter import next_cap
+
+    assert next_cap(4, 4, 3) == 4 and next_cap(8, 4, 3) == 7 and next_cap(4, 2, 2) == 4 and next_cap(4, 3, 0) == 1

@@ -7,7 +7,8 @@ import torch
 
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
-from splash_rollout.recipes.grpo.mtp_training import MTPTrainer, MTPTrainingConfig, coupled_drafts
+from splash_rollout.engine.mtp_drafter import coupled_drafts
+from splash_rollout.recipes.grpo.mtp_training import MTPTrainer, MTPTrainingConfig
 from splash_rollout.recipes.grpo.trainer import Trainer, TrainerConfig, collate
 
 CFG = PRESETS["glm5-nano"]

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from splash_rollout.distributed.groups import average_gradients, sum_over_ranks
+from splash_rollout.engine.mtp_drafter import coupled_drafts
 from splash_rollout.recipes.grpo.micro_batches import plan_rank_micro_batches
 from splash_rollout.recipes.grpo.trainer import TrainBatch, collate
 
@@ -205,12 +206,3 @@ def mtp_logits(layer: nn.Module, state: torch.Tensor, embeds: torch.Tensor, allo
     s = state.shape[1]
     return layer.predict(embeds[:, 1:], state[:, :s - 1], torch.arange(s - 1, device=state.device),
                          allowed[:, :s - 1, :s - 1], head)[1]
-
-
-def coupled_drafts(logits: torch.Tensor, specs: list, draw_index: list[int]) -> torch.Tensor:
-    """logits [R, V] (a draft model's), each row's sample settings and response index -> [R] the token
-    the engine's sampler draws from them with that sample's uniform for that token."""
-    from splash_rollout.engine.sampler import SamplingBatch, sample_torch
-
-    tokens, _ = sample_torch(logits.float(), SamplingBatch.make(specs, draw_index, device=logits.device))
-    return tokens
