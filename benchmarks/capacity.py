@@ -35,11 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from splash_rollout import EngineConfig  # noqa: E402
 from splash_rollout.distributed.launch import WorkerGroup  # noqa: E402
-from splash_rollout.engine.engine import pages_per_rank, sizes_for  # noqa: E402
+from splash_rollout.engine.rank_engine import pages_per_rank, sizes_for  # noqa: E402
 from splash_rollout.scheduling.admission import AdmissionSettings  # noqa: E402
 from splash_rollout.engine.placement import KVPlacement  # noqa: E402
 from splash_rollout.engine.request import Request, SamplingSpec  # noqa: E402
-from splash_rollout.engine.scheduler import Scheduler  # noqa: E402
+from splash_rollout.engine.request_scheduler import Scheduler  # noqa: E402
 from splash_rollout.layout.footprint import RankBudget, footprints  # noqa: E402
 from splash_rollout.layout.layouts import ALL_LAYOUTS, Layout  # noqa: E402
 from splash_rollout.models.config import resolve_model  # noqa: E402

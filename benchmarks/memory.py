@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from splash_rollout.scheduling.admission import AdmissionSettings  # noqa: E402
-from splash_rollout.engine.engine import Engine, EngineSettings  # noqa: E402
+from splash_rollout.engine.rank_engine import Engine, EngineSettings  # noqa: E402
 from splash_rollout.engine.request import Request, SamplingSpec  # noqa: E402
 from splash_rollout.models.config import PRESETS  # noqa: E402
 from splash_rollout.models.model import MLAForCausalLM  # noqa: E402

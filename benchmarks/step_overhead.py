@@ -70,7 +70,7 @@ def point_on_rank(ctx, core: str, layout: str, batch: int, context: int, steps: 
     model = MLAForCausalLM.from_config(cfg, seed=0).eval()
     if core == "rank0":
         return _rank0_core(ctx, cfg, model, layout, batch, context, steps, page_size, pages)
-    from splash_rollout.engine.engine import Engine, EngineSettings
+    from splash_rollout.engine.rank_engine import Engine, EngineSettings
 
     settings = EngineSettings(layout=Layout.parse(layout), num_pages=pages, page_size=page_size,
                               max_num_batched_tokens=batch, max_num_seqs=batch)

@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from splash_rollout.engine.engine import sizes_for
+from splash_rollout.engine.rank_engine import sizes_for
 from splash_rollout.models.config import resolve_model
 from splash_rollout.scheduling.fit import predict_point
 from splash_rollout.scheduling.profile import load_profile

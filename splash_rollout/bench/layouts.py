@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import resolve_model

@@ -13,7 +13,7 @@ from itertools import combinations
 
 import torch
 
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.models.config import resolve_model

@@ -84,7 +84,7 @@ def fit_measured(profile: HardwareProfile, points: list[dict], model: str,
                  attention_backend: str = "cpu") -> tuple[HardwareProfile, dict]:
     import torch
 
-    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.engine.rank_engine import sizes_for
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.fit import fit_profile
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from splash_rollout.config_fields import from_mapping
 from splash_rollout.engine.request import Request
-from splash_rollout.engine.scheduler import Scheduler
+from splash_rollout.engine.request_scheduler import Scheduler
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.scheduling.decision_events import DecisionEvents
 

@@ -20,7 +20,7 @@ import torch
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.kv_pool import KVPool
 from splash_rollout.engine.routing_capture import RoutingRecorder
-from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
+from splash_rollout.engine.request_scheduler import ScheduledSeq, Scheduler
 
 
 class StepHook:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from splash_rollout.engine.forward_batch import ForwardBatch
-from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
+from splash_rollout.engine.request_scheduler import ScheduledSeq, Scheduler
 
 
 class StepClock:

@@ -25,7 +25,7 @@ its last step, and every rank has the pages the window's growth takes (no retrac
 """
 from __future__ import annotations
 
-from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
+from splash_rollout.engine.request_scheduler import ScheduledSeq, Scheduler
 
 
 def window_steps(most: int, scheduler: Scheduler, steps_left: int | None, quiet_steps: int | None) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.engine.cuda_graphs import graph_reserve_bytes
-from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
+from splash_rollout.engine.rank_engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
 from splash_rollout.models.numerics import set_numerics
@@ -155,7 +155,7 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
 
 def make_policy(config, model_config: ModelConfig, world_size: int, budget_bytes: int, dtype: torch.dtype):
     """π over this engine's real pools (the ownership model at this budget) and the profile's rates."""
-    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.engine.rank_engine import sizes_for
     from splash_rollout.layout.footprint import RankBudget, footprints
     from splash_rollout.scheduling.deployment import Deployment
     from splash_rollout.scheduling.online import StepTimeCorrection

@@ -25,7 +25,7 @@ from splash_rollout.rollout.ranks import (LocalHost, RequestRecord, SpawnedHost,
                                           worker_memory_stats, worker_request_switch, worker_sleep, worker_wake_up)
 from splash_rollout.rollout.progress import progress_enabled
 from splash_rollout.rollout.call_modes import LoopCall, StreamingCall, WholeCall, call_mode
-from splash_rollout.rollout.timeline import build_timeline, layout_metrics, memory_metrics, speculation_metrics
+from splash_rollout.rollout.call_timeline import build_timeline, layout_metrics, memory_metrics, speculation_metrics
 from splash_rollout.rollout.validation import (check_queue_bound, check_sampling, check_world_size,
                                                prompt_ids, request_digest)
 from splash_rollout.rollout.types import RolloutBatch, Sample, SampleGroup, SamplingParams

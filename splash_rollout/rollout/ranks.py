@@ -20,7 +20,7 @@ from typing import Any
 
 from splash_rollout.distributed.collectives import Comm
 from splash_rollout.distributed.groups import ProcessGroups
-from splash_rollout.engine.engine import Engine
+from splash_rollout.engine.rank_engine import Engine
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.rollout.build import build_engine, compute_backend
 from splash_rollout.rollout.validation import agree_across_ranks

@@ -98,7 +98,7 @@ class LoopLog:
     def timeline(self, since: int | None = None) -> dict:
         """The layout timeline (``/timeline``'s JSON) of every step kept, or of those logged after
         ``since`` (an earlier ``total_steps``) with the switches and decisions from its first step on."""
-        from splash_rollout.rollout.timeline import build_timeline
+        from splash_rollout.rollout.call_timeline import build_timeline
 
         if since is None:
             return build_timeline(self.steps, self.switches, self.decisions).to_dict()

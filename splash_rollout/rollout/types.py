@@ -132,7 +132,7 @@ class Timeline:
     """Layout timeline of one generate call (phases of one layout, and the switches between them)."""
 
     phases: list[dict[str, Any]] = field(default_factory=list)
-    """Each: layout, t_start, t_end, steps, batch_size_start, batch_size_end, tokens (rollout/timeline.py)."""
+    """Each: layout, t_start, t_end, steps, batch_size_start, batch_size_end, tokens (rollout/call_timeline.py)."""
     switches: list[dict[str, Any]] = field(default_factory=list)
     """Each: src, dst, step, bytes_sent [T], bytes_received [T], overhead_ms, blocking_estimate_ms,
     deferred_reason (None when the switch happened)."""

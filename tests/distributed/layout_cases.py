@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from splash_rollout.scheduling.admission import AdmissionSettings
-from splash_rollout.engine.engine import Engine, EngineSettings, pages_per_rank
+from splash_rollout.engine.rank_engine import Engine, EngineSettings, pages_per_rank
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.engine.scheduler import Scheduler
+from splash_rollout.engine.request_scheduler import Scheduler
 from splash_rollout.layout import Layout
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from splash_rollout.layout import Layout, RankBudget, footprints, other_weight_bytes_per_rank
-from splash_rollout.engine.engine import sizes_for
+from splash_rollout.engine.rank_engine import sizes_for
 from tests.distributed.layout_cases import MODELS, PAGE_SIZE, memory_report
 
 BUDGET = 6 << 20  # 6 MiB per rank for attention weights + KV

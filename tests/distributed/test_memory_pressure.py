@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from splash_rollout.scheduling.admission import AdmissionSettings
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.models.numerics import numerics_mode, set_numerics

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.step_overhead import admit_as_decoding, warm_requests
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS

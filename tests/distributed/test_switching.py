@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import torch
 
-from splash_rollout.engine.engine import sizes_for
+from splash_rollout.engine.rank_engine import sizes_for
 from splash_rollout.layout import BatchKV, Layout, SwitchPlan
 from tests.distributed.layout_cases import MODELS, PAGE_SIZE, round_trip, run_switch, single_rank
 

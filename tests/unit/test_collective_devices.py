@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from splash_rollout.distributed.collectives import CollectiveDeviceError, Comm
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
 

@@ -190,7 +190,7 @@ def test_reference_backend_gather_threshold_matches_the_model():
 def test_torch_ref_engine_prices_the_dense_rectangle_and_the_replicated_cp():
     """Below the gather threshold the reference backend scores every key (a rectangle), above it
     only the selected ones; its CP runs the replicated variant."""
-    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.engine.rank_engine import sizes_for
     from splash_rollout.models.config import resolve_model
 
     cfg = resolve_model("glm5-nano")  # index_topk 64
@@ -212,7 +212,7 @@ def test_fit_recovers_the_constants_it_was_given():
 
     """Points priced by a known θ (torch_ref engine, overheads set) are fitted back to within a few %
     from a start that has the fitted constants wrong."""
-    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.engine.rank_engine import sizes_for
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.fit import fit_profile, predict_point
 
@@ -240,7 +240,7 @@ def test_cpu_engine_prices_causal_keys_and_expanded_prefill():
     """The native backend reads only the keys a row sees (no rectangle, no gather) and runs long
     prefill chunks in expanded form: cheaper than the reference's absorbed rectangle on prefill, the
     same causal pairs as ``ideal`` on decode."""
-    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.engine.rank_engine import sizes_for
     from splash_rollout.models.config import resolve_model
     from splash_rollout.scheduling.cost_model import expanded_is_cheaper
 
@@ -266,7 +266,7 @@ def test_replicated_feed_forward_drops_dp_collectives_and_holds_every_expert():
     """Replicated MLP / MoE weights: a DP-attention rank runs the block on its own rows with no
     collective (neither the input gather nor the reduce-scatter); replicated-row layouts pay one
     all-gather of the block's output instead of the all-reduce; every rank holds the whole block."""
-    from splash_rollout.engine.engine import sizes_for
+    from splash_rollout.engine.rank_engine import sizes_for
     from splash_rollout.layout import other_weight_bytes_per_rank
     from splash_rollout.models.config import resolve_model
 

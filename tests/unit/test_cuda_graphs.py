@@ -15,7 +15,7 @@ import torch
 from splash_rollout import EngineConfig
 from splash_rollout.engine import cuda_graphs
 from splash_rollout.engine.cuda_graphs import DecodeGraphs, GraphKey, decode_buckets, width_buckets
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout import Layout
 from splash_rollout.models.config import PRESETS

@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels r
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from splash_rollout.engine.engine import Engine, EngineSettings  # noqa: E402
+from splash_rollout.engine.rank_engine import Engine, EngineSettings  # noqa: E402
 from splash_rollout.engine.host_syncs import HostSyncs  # noqa: E402
 from splash_rollout.engine.request import Request, SamplingSpec  # noqa: E402
 from splash_rollout.models.config import PRESETS  # noqa: E402

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash_rollout.engine.engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.page_manager import PageManager
 from splash_rollout.engine.prefix_cache import PrefixCache
 from splash_rollout.engine.request import Request, SamplingSpec

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from splash_rollout.reporting import JsonlSink, MetricsSink, MultiSink, NoOpSink, RolloutProgress, make_sink
-from splash_rollout.reporting.timeline import TABLE_COLUMNS, layout_metrics, plot_timeline, table_rows, \
+from splash_rollout.reporting.timeline_report import TABLE_COLUMNS, layout_metrics, plot_timeline, table_rows, \
     write_timeline_json
 
 TIMELINE = {"phases": [{"layout": "dp", "t_start": 0.0, "t_end": 3.0, "steps": 30, "batch_size_start": 64,
@@ -113,7 +113,7 @@ def test_progress_bar_disabled_is_noop_and_enabled_counts(capsys):
 
 
 def test_phases_keep_the_drain_shape_in_a_few_points():
-    from splash_rollout.rollout.timeline import phases_from_steps
+    from splash_rollout.rollout.call_timeline import phases_from_steps
 
     running = [128, 120, 100, 90, 60, 40, 39, 20, 5, 3, 2, 1, 1, 1, 0]
     steps = [{"layout": "dp" if i < 10 else "dop", "seconds": 0.5, "requests": r, "running": r, "rows": r}

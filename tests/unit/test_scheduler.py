@@ -7,7 +7,7 @@ from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.layout import Layout
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.scheduling.admission import AdmissionSettings
-from splash_rollout.engine.scheduler import Scheduler as _Scheduler
+from splash_rollout.engine.request_scheduler import Scheduler as _Scheduler
 
 WORST_CASE = AdmissionSettings(mode="worst_case")
 

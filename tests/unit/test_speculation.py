@@ -159,7 +159,7 @@ def test_a_single_token_match_drafts_nothing_unless_allowed():
 
 
 def test_each_draft_is_credited_to_where_its_first_token_was_seen():
-    from splash_rollout.rollout.timeline import speculation_metrics
+    from splash_rollout.rollout.call_timeline import speculation_metrics
 
     drafter = SuffixDrafter(max_ngram=3, min_confidence=0.0)
     drafter.new_call()
@@ -189,7 +189,7 @@ def test_a_verified_step_is_priced_by_the_rows_it_ran():
     its drafts has computed fewer positions than its rows saw (a 6-token request drafting 8 and
     keeping none: 9 rows over 14 positions, 7 computed after)."""
     from splash_rollout.engine.layout_driver import _executed_batch
-    from splash_rollout.engine.scheduler import ScheduledSeq
+    from splash_rollout.engine.request_scheduler import ScheduledSeq
 
     req = _request(0, [1, 2, 3, 4, 5], [6])
     req.num_computed_tokens = 5
@@ -370,7 +370,7 @@ def test_while_requests_wait_the_gate_keeps_the_kind_of_step_that_measured_faste
 
 
 def test_the_timeline_marks_where_drafts_were_verified(engines, tmp_path):
-    from splash_rollout.reporting.timeline import plot_timeline
+    from splash_rollout.reporting.timeline_report import plot_timeline
 
     off, always = engines
     params = SamplingParams(n=4, temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -415,7 +415,7 @@ def test_the_drivers_pressure_probe_leaves_the_replica_unchanged():
     import torch
 
     from splash_rollout.engine.placement import KVPlacement
-    from splash_rollout.engine.scheduler import Scheduler
+    from splash_rollout.engine.request_scheduler import Scheduler
     from splash_rollout.layout import Layout
 
     def replica() -> Scheduler:

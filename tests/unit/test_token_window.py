@@ -7,7 +7,7 @@ import torch
 from benchmarks.step_overhead import admit_as_decoding
 from splash_rollout.engine.placement import KVPlacement
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.engine.scheduler import Scheduler
+from splash_rollout.engine.request_scheduler import Scheduler
 from splash_rollout.engine.token_window import TokenWindow, provisional, window_steps
 from splash_rollout.layout.layouts import Layout
 

@@ -40,7 +40,7 @@ from splash_rollout.recipes.grpo.setup import GRPORun, set_up, truncate_jsonl
 from splash_rollout.recipes.grpo.step_rollout import StepGroups
 from splash_rollout.recipes.grpo.task_data import Example
 from splash_rollout.recipes.grpo.update import grpo_update, reference_logprobs, shape_rewards
-from splash_rollout.reporting.timeline import TABLE_COLUMNS, plot_timeline, table_rows, write_timeline_json
+from splash_rollout.reporting.timeline_report import TABLE_COLUMNS, plot_timeline, table_rows, write_timeline_json
 from splash_rollout.rollout.types import RolloutBatch
 
 __all__ = ["train", "build_engine", "build_policy", "build_engine_with_weights"]

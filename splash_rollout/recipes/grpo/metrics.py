@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from splash_rollout.recipes.grpo.reward_fns import Rewards
-from splash_rollout.reporting.timeline import layout_metrics
+from splash_rollout.reporting.timeline_report import layout_metrics
 from splash_rollout.rollout.types import RolloutBatch
 
 WALL_CLOCK_PREFIXES = ("timing_s/", "perf/tokens_per_s", "layout/time_share/", "layout/switch_overhead_ms",

@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any, Protocol, Sequence
 
 from splash_rollout.rollout.engine import RolloutEngine, derive_seed
-from splash_rollout.rollout.timeline import layout_metrics
+from splash_rollout.rollout.call_timeline import layout_metrics
 from splash_rollout.rollout.types import RolloutBatch, SamplingParams, Timeline
 
 SUMMED = ("rollout/retractions", "rollout/prefix_hit_tokens", "rollout/prefill_rows", "perf/steps",

@@ -61,7 +61,7 @@ from splash_rollout.engine.routing_capture import RoutingRecorder
 from splash_rollout.engine.step_hooks import CopyOnWrite, RoutingCapture, StepHooks
 from splash_rollout.engine.step_log import StepClock, step_record
 from splash_rollout.engine.sampler import SamplingBatch, sample
-from splash_rollout.engine.scheduler import ScheduledSeq, Scheduler
+from splash_rollout.engine.request_scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
 from splash_rollout.engine.step_control import StepControl, exchange
 from splash_rollout.engine.switch_step import RankSwitch, SwitchOrder, merge_measures
