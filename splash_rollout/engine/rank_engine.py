@@ -457,10 +457,7 @@ class Engine:
         clock.lap("forward")
         step = self._finish(scheduled, batch, logits, order, plan)
         if self.mtp is not None and self.rank == 0 and self.window.steps == 1:  # (a window's tokens are provisional)
-            if self.scheduler.draft_cap > 0:
-                self.mtp.shadow(self._shadow_rows(scheduled, batch, hidden))
-            else:  # drafts off (a wide batch): keep each request's last row, run nothing
-                self.mtp.hold(self._shadow_rows(scheduled, batch, hidden, last_only=True))
+            self.mtp.shadow(self._shadow_rows(scheduled, batch, hidden))
         clock.lap("sample")
         self._record(scheduled, batch, clock, control_bytes, switched=order is not None)
         return step
@@ -655,13 +652,11 @@ class Engine:
         self.switch_measures.append(switch.measure())
         return hidden, self.runner.logits(hidden, batch)
 
-    def _shadow_rows(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor,
-                     last_only: bool = False) -> list[ShadowRows]:
+    def _shadow_rows(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor) -> list[ShadowRows]:
         """Rank 0 after a step's tokens are applied: each request's verified rows this rank carries --
-        position i with token i + 1 now known -- with the decoder's last-layer output there, or only
-        the last of them; a follower forked off its leader's last prompt row
-        takes that row with its own first token. hidden: [n, hidden], the rows ``local_rows_host``
-        names (every row: None)."""
+        position i with token i + 1 now known -- with the decoder's last-layer output there; a follower
+        forked off its leader's last prompt row takes that row with its own first token. hidden:
+        [n, hidden], the rows ``local_rows_host`` names (every row: None)."""
         carried = self.runner.executor.local_rows_host(batch)
         place = None if carried is None else {row: i for i, row in enumerate(carried)}
         rows: list[ShadowRows] = []
@@ -675,9 +670,8 @@ class Engine:
             if valid <= 0:
                 continue
             at = first if place is None else place[first]
-            skip = valid - 1 if last_only else 0
-            states = hidden[at + skip: at + valid]  # [valid - skip, hidden], before the final norm
-            rows.append(ShadowRows(req.request_id, start + skip, req.tokens_at(start + skip + 1, valid - skip), states))
+            states = hidden[at: at + valid]  # [valid, hidden], before the final norm
+            rows.append(ShadowRows(req.request_id, start, req.tokens_at(start + 1, valid), states))
             for fork in seq.forks:
                 if not fork.is_finished and fork.num_tokens == seq.end + 1:
                     rows.append(ShadowRows(fork.request_id, seq.end - 1, [fork.output_ids[0]], states[-1:],

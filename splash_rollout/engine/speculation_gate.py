@@ -75,8 +75,9 @@ class SpeculationGate:
         """price: predicted seconds of a step batch in the current layout (the cost model, corrected
         online where the engine has a correction); stats: the drafter's running record; draft_cost:
         (cap, drafting requests) -> seconds the drafter itself spends on such a step, measured (a draft
-        model's passes), or None before it has measured any -- then each of the cap's passes is priced
-        at ``draft_layer_share`` of a plain step (the MTP module: one decoder layer of the model's);
+        model's chained passes), or None before it has measured any -- then each of the cap's passes
+        past the first is priced at ``draft_layer_share`` of a plain step (the MTP module: one decoder
+        layer of the model's; its first draft comes off the pass it runs every step anyway);
         None: drafting is free (the n-gram index's lookups are next to a step). explore_margin: a kind
         the gate did not choose is run to be measured only where it is predicted at least this share
         of the chosen one's tokens per second (a draft model's drafts are not tried where the model
@@ -341,7 +342,7 @@ class SpeculationGate:
         if self.draft_cost is None:
             return 0.0
         measured = self.draft_cost(cap, drafted)
-        return measured if measured is not None else cap * self.draft_layer_share * plain_seconds
+        return measured if measured is not None else (cap - 1) * self.draft_layer_share * plain_seconds
 
     def _worth_exploring(self, choice: GateChoice, other: int) -> bool:
         """Whether the kind not chosen is predicted close enough to the chosen one to measure it."""
