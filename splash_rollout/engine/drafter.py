@@ -140,6 +140,13 @@ class DraftStats:
     by_source: dict[str, list[int]] = field(default_factory=lambda: {src: [0, 0, 0] for src in DRAFT_SOURCES})
     """Source -> [verifications, drafted tokens verified, kept] of the drafts that started there."""
 
+    def verified(self, source: str, drafted: int, accepted: int) -> None:
+        """Count one verification of ``drafted`` tokens from ``source``, ``accepted`` of them kept."""
+        self.proposed += drafted
+        self.accepted += accepted
+        self.rejections += accepted < drafted
+        credit(self.by_source, source, drafted, accepted)
+
 
 class SuffixDrafter:
     def __init__(self, max_draft: int = 8, max_ngram: int = 4, tokens_per_match: float = 2.0,
@@ -207,10 +214,7 @@ class SuffixDrafter:
             index.pending[seq.writer] = seq
             self._hold(index, len(new))
         if drafted:
-            self.stats.proposed += drafted
-            self.stats.accepted += accepted
-            self.stats.rejections += accepted < drafted
-            credit(self.stats.by_source, self.source(request), drafted, accepted)
+            self.stats.verified(self.source(request), drafted, accepted)
             self._cap[request.request_id] = next_cap(self.max_draft, drafted, accepted)
 
     def finished(self, request: Request) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splash_rollout.engine.drafter import DraftStats, credit, next_cap
+from splash_rollout.engine.drafter import DraftStats, next_cap
 from splash_rollout.engine.mtp_kv import MTPKV
 from splash_rollout.engine.request import Request
 from splash_rollout.models.attention_math import indexer_scores, indexer_select, softmax_attention
@@ -137,8 +137,6 @@ class MTPDrafter:
         """request id -> its draft cap after its last verification (the same rule as every drafter's)."""
         self.kv = MTPKV()
         """Rank 0: the module's entries per request."""
-        self.passes = 0
-        """Rank 0: module passes run (shadows and chained rows), for measures."""
         self.pass_seconds: dict[int, float] = {}
         """Rank 0: rows-bucket (bit length of the rows) -> measured seconds of one pass (exponential
         average): what ``cost`` prices a step's drafting with."""
@@ -161,10 +159,7 @@ class MTPDrafter:
 
     def observe(self, request: Request, drafted: int, accepted: int) -> None:
         if drafted:
-            self.stats.proposed += drafted
-            self.stats.accepted += accepted
-            self.stats.rejections += accepted < drafted
-            credit(self.stats.by_source, SOURCE, drafted, accepted)
+            self.stats.verified(SOURCE, drafted, accepted)
             self._cap[request.request_id] = next_cap(self.max_draft, drafted, accepted)
 
     def finished(self, request: Request) -> None:
@@ -277,7 +272,6 @@ class MTPDrafter:
     def _pass(self, x: torch.Tensor, request_ids: list[int], positions: list[list[int]]) -> torch.Tensor:
         """``_layer``'s work. The requests are padded to a common query and key length and attended at once."""
         layer, attn = self.module, self.module.self_attn
-        self.passes += 1
         device = x.device
         flat = torch.tensor([p for ps in positions for p in ps], dtype=torch.int64, device=device)  # [R]
         normed = layer.input_layernorm(x)

@@ -27,6 +27,20 @@ def _assert_same(got, want):
     assert gap <= 1e-6, gap
 
 
+def _writes_what_one_rank_writes(engine, oracle, every_draft_from: str | None = None) -> tuple[float, float]:
+    """Every PARAMS call equals the oracle's; returns (drafted tokens kept, switches) over them.
+    ``every_draft_from``: a drafter other than the n-gram one (no draft may come from the group)."""
+    accepted, switches = 0.0, 0.0
+    for params, want in zip(PARAMS, oracle):
+        batch = engine.generate(PROMPTS, params)
+        _assert_same(_outputs(batch), want)
+        accepted += batch.metrics["spec/accepted_tokens"]
+        switches += batch.metrics["layout/switches"]
+        if every_draft_from is not None:
+            assert batch.metrics["spec/verified/group"] == 0  # every draft is the other source's
+    return accepted, switches
+
+
 @pytest.fixture(scope="module")
 def oracle():
     with RolloutEngine(EngineConfig(model="glm5-nano", numerics="reproducible", page_size=4,
@@ -42,12 +56,7 @@ def test_every_layout_and_random_switches_write_what_one_rank_writes(oracle):
     config = EngineConfig(model="glm5-nano", world_size=2, layout="dp", speculation="always", numerics="reproducible",
                           page_size=4, switch_schedule=schedule)
     with RolloutEngine(config) as engine:
-        accepted, switches = 0.0, 0.0
-        for params, want in zip(PARAMS, oracle):
-            batch = engine.generate(PROMPTS, params)
-            _assert_same(_outputs(batch), want)
-            accepted += batch.metrics["spec/accepted_tokens"]
-            switches += batch.metrics["layout/switches"]
+        accepted, switches = _writes_what_one_rank_writes(engine, oracle)
     assert accepted > 0 and switches >= 4
 
 
@@ -68,11 +77,5 @@ def test_mtp_drafts_from_rank_0_write_what_one_rank_writes_through_switches(orac
                           numerics="reproducible", page_size=4, switch_schedule=schedule)
     with RolloutEngine(config) as engine:
         engine.update_weights(mirror_mtp(MLAForCausalLM.from_config(resolve_model("glm5-nano"), seed=0)), version=1)
-        accepted, switches = 0.0, 0.0
-        for params, want in zip(PARAMS, oracle):
-            batch = engine.generate(PROMPTS, params)
-            _assert_same(_outputs(batch), want)
-            accepted += batch.metrics["spec/accepted_tokens"]
-            switches += batch.metrics["layout/switches"]
-            assert batch.metrics["spec/verified/group"] == 0  # every draft is the module's
+        accepted, switches = _writes_what_one_rank_writes(engine, oracle, every_draft_from="mtp")
     assert accepted > 0 and switches >= 4

@@ -24,6 +24,7 @@ from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.models.mtp import MTP_PREFIX
 from tests.unit.test_nothing_lost import assert_nothing_held
+from tests.unit.test_speculation import sampling
 
 
 def mirror_mtp(model: MLAForCausalLM) -> dict[str, torch.Tensor]:
@@ -123,10 +124,6 @@ def engines():
         whole = MLAForCausalLM.from_config(resolve_model("glm5-nano"), seed=0)
         mirrored.update_weights(mirror_mtp(whole), version=1)  # a push carries the module to rank 0
         yield off, mirrored, random_init
-
-
-sampling = st.sampled_from([dict(temperature=0.0), dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_p=0.9),
-                            dict(temperature=1.0, min_p=0.1)])
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
