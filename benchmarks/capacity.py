@@ -77,12 +77,12 @@ def serve_on_rank(ctx, config: EngineConfig, num: int, prompt_len: int, max_new:
         return None
     log = engine.step_log
     done = [s for s in engine.switch_log if s.get("deferred_reason") is None]
-    return {"pool_pages_at_end": engine.state.pool.num_pages, "max_running": max(s["running"] for s in log),
+    return {"pool_pages_at_end": engine.state.pool.num_pages, "max_running": max(s.running for s in log),
             "steps": len(log), "wall_s": wall, "finished": len(finished),
             "tokens": sum(len(r.output_ids) for r in finished),
             "switch_path": [f"{s['src']}->{s['dst']}@{s['step']}" for s in done],
             "deferred_switches": len(engine.switch_log) - len(done),
-            "layout_per_step": [s["layout"] for s in log]}
+            "layout_per_step": [s.layout for s in log]}
 
 
 def main(argv: list[str] | None = None) -> int:

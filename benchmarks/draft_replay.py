@@ -79,10 +79,9 @@ class StepCost:
         return fixed + per_row * rows
 
     @staticmethod
-    def fit(steps: list[dict], drafted: bool) -> tuple[float, float]:
+    def fit(steps: list, drafted: bool) -> tuple[float, float]:
         """Least squares over the decode steps (no prompt rows) of a step log."""
-        pts = [(s["rows"], s["seconds"]) for s in steps
-               if not s["prefill_rows"] and (s["draft_tokens"] > 0) == drafted]
+        pts = [(s.rows, s.seconds) for s in steps if not s.prefill_rows and (s.draft_tokens > 0) == drafted]
         rows, secs = np.array(pts, dtype=np.float64).T
         per_row, fixed = np.polyfit(rows, secs, 1)
         return float(fixed), float(per_row)
@@ -324,7 +323,7 @@ def record(policy: str, calls: int, threads: int) -> tuple[list[list[dict]], lis
     prompts = [e.prompt_ids for e in data.train]
     weights = torch.load(policy, map_location="cpu")
     logs: dict[str, list[dict]] = {"off": [], "always": []}
-    captured: list[list[dict]] = []
+    captured: list[list] = []  # StepRecord lists
     build_timeline = rollout_engine.build_timeline
 
     def keep_steps(steps, *args, **kwargs):  # the call's step log, as the timeline receives it

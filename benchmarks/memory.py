@@ -140,10 +140,10 @@ def run_single(work: dict, settings: EngineSettings, seed: int) -> dict:
     for r in finished:
         lens_by_group.setdefault(r.prefix_key, []).append(len(r.output_ids))
     return {"wall_s": wall, "tokens": sum(out), "tokens_per_s": sum(out) / wall, "steps": len(log),
-            "mean_running": float(np.mean([s["running"] for s in log])), "max_running": max(s["running"] for s in log),
-            "prefill_rows": sum(s["prefill_rows"] for s in log), "retractions": sum(s["retracted"] for s in log),
-            "prefix_hit_tokens": sum(s["prefix_hit_tokens"] for s in log),
-            "peak_pages_used": max(max(s["pages_used"]) for s in log), "pool_pages": settings.num_pages,
+            "mean_running": float(np.mean([s.running for s in log])), "max_running": max(s.running for s in log),
+            "prefill_rows": sum(s.prefill_rows for s in log), "retractions": sum(s.retracted for s in log),
+            "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in log),
+            "peak_pages_used": max(max(s.pages_used) for s in log), "pool_pages": settings.num_pages,
             "peak_pages_per_group": max(peak_group.values()),
             "median_group_peak_pages": float(np.median(list(peak_group.values()))),
             "group_peak_pages": [peak_group.get(tuple(p), 0) for p in work["prompts"]], "response_len": lengths(out),

@@ -80,7 +80,7 @@ def point_on_rank(ctx, core: str, layout: str, batch: int, context: int, steps: 
     engine.abort_all()
     if ctx.rank:
         return None
-    return [dict(s["split_s"], seconds=s["seconds"], control_bytes=s["control_bytes"]) for s in engine.step_log]
+    return [dict(s.split_s, seconds=s.seconds, control_bytes=s.control_bytes) for s in engine.step_log]
 
 
 def _rank0_core(ctx, cfg, model, layout, batch, context, steps, page_size, pages):
@@ -123,7 +123,7 @@ def _rank0_core(ctx, cfg, model, layout, batch, context, steps, page_size, pages
         laps.clear()
         engine.serve(None, max_steps=1)
         if ctx.rank == 0:
-            records.append(dict({k: laps.get(k, 0.0) for k in SPLIT}, seconds=engine.step_log[-1]["seconds"],
+            records.append(dict({k: laps.get(k, 0.0) for k in SPLIT}, seconds=engine.step_log[-1].seconds,
                                 control_bytes=plan_bytes[-1] if plan_bytes else 0))
     if ctx.rank == 0:
         engine.scheduler.abort_all()

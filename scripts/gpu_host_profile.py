@@ -28,14 +28,14 @@ PROFILED_TOKENS = 8
 """Tokens of the profiled call (one prefill step, the rest decode)."""
 
 
-def decode_split(steps: list[dict]) -> dict:
+def decode_split(steps: list) -> dict:
     """Mean decode step, ms, and its phases (the step log's ``split_s``)."""
-    decode = [s for s in steps if not s["prefill_rows"]]
+    decode = [s for s in steps if not s.prefill_rows]
     split: dict[str, float] = {}
     for s in decode:
-        for phase, seconds in s["split_s"].items():
+        for phase, seconds in s.split_s.items():
             split[phase] = split.get(phase, 0.0) + 1e3 * seconds / len(decode)
-    return {"decode_steps": len(decode), "mean_step_ms": 1e3 * sum(s["seconds"] for s in decode) / len(decode),
+    return {"decode_steps": len(decode), "mean_step_ms": 1e3 * sum(s.seconds for s in decode) / len(decode),
             "mean_split_ms": split}
 
 
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     import splash_rollout.rollout.engine as rollout_engine
     from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
 
-    captured: list[list[dict]] = []
+    captured: list[list] = []  # StepRecord lists
     build_timeline = rollout_engine.build_timeline
 
     def keep_steps(steps, *rest, **kw):  # the call's step log, which RolloutBatch does not carry

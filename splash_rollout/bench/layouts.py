@@ -17,6 +17,7 @@ import torch
 
 from splash_rollout.engine.rank_engine import Engine, EngineSettings
 from splash_rollout.engine.request import Request, SamplingSpec
+from splash_rollout.engine.step_log import StepRecord
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM
@@ -44,7 +45,7 @@ def bench_on_rank(ctx, model: str, layouts: str | list[str], batches: list[int],
     engines = {name: Engine(MLAForCausalLM.from_config(cfg, seed=0).eval(), cfg, ctx.groups, settings[name])
                for name in names}
 
-    def run(engine: Engine, b: int, s: int, draw: int) -> list[dict] | None:
+    def run(engine: Engine, b: int, s: int, draw: int) -> list[StepRecord] | None:
         g = torch.Generator().manual_seed(seed * 7919 + b * 100003 + s * 31 + draw)  # the same requests on every rank
         reqs = [Request(i, torch.randint(3, cfg.vocab_size, (s,), generator=g).tolist(),
                         SamplingSpec(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True),
@@ -65,7 +66,7 @@ def bench_on_rank(ctx, model: str, layouts: str | list[str], batches: list[int],
             if ctx.rank == 0:
                 for name in names:
                     points.append({"layout": name, "batch": b, "context": s, "repeats": repeats,
-                                   "prefill_ms": 1e3 * statistics.median(log[0]["seconds"] for log in logs[name]),
-                                   "decode_ms": 1e3 * statistics.median(x["seconds"] for log in logs[name]
+                                   "prefill_ms": 1e3 * statistics.median(log[0].seconds for log in logs[name]),
+                                   "decode_ms": 1e3 * statistics.median(x.seconds for log in logs[name]
                                                                          for x in log[1:])})
     return points if ctx.rank == 0 else None

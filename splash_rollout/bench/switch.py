@@ -52,7 +52,7 @@ def bench_switch_on_rank(ctx, model: str, batch: int, context: int, runs: int, p
                         if ctx.rank == 0:
                             key = (src.value, dst.value, ("blocking" if blocking else "overlapped") if mode == "switch"
                                    else "ready")
-                            times.setdefault(key, []).append(1e3 * engine.step_log[-1]["seconds"])
+                            times.setdefault(key, []).append(1e3 * engine.step_log[-1].seconds)
         if ctx.rank == 0:
             for src, dst in ((a, b), (b, a)):
                 ready = times[(src.value, dst.value, "ready")]

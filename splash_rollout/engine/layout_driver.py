@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from splash_rollout.config_fields import from_mapping
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.request_scheduler import Scheduler
+from splash_rollout.engine.step_log import StepRecord
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.scheduling.decision_events import DecisionEvents
 
@@ -109,7 +110,7 @@ class LayoutDriver:
         if self.events is not None and finished:
             self.events.finished(len(finished))
 
-    def observe_step(self, record: dict, scheduled) -> None:
+    def observe_step(self, record: StepRecord, scheduled) -> None:
         """Rank 0 after each step: its step-log ``record`` and what it ran (ScheduledSeq list).
         Counts the step toward the dwell and, unless it switched, gives the policy its seconds
         (less the policy's own share) for the online correction."""
@@ -123,9 +124,9 @@ class LayoutDriver:
         if self._observable > evidence and (self._observable - 1) % self.config.observe_every_steps:
             return  # a sample of the layout's steps: the first few that did not switch, then one in K
         t0 = time.perf_counter()
-        measured = record["seconds"] - self._boundary_s  # the step, less the policy's time inside it
-        signature = (record["requests"], record["rows"], record["prefill_rows"])
-        self.policy.observe_step(Layout.parse(record["layout"]), lambda: _executed_batch(scheduled), measured,
+        measured = record.seconds - self._boundary_s  # the step, less the policy's time inside it
+        signature = (record.requests, record.rows, record.prefill_rows)
+        self.policy.observe_step(Layout.parse(record.layout), lambda: _executed_batch(scheduled), measured,
                                  signature)
         if (self._observable == evidence and self.steps_in_layout < cfg.min_dwell_steps
                 and self.policy.correction is not None):

@@ -59,7 +59,7 @@ from splash_rollout.engine.rank_state import RankState
 from splash_rollout.engine.request import Request
 from splash_rollout.engine.routing_capture import RoutingRecorder
 from splash_rollout.engine.step_hooks import CopyOnWrite, RoutingCapture, StepHooks
-from splash_rollout.engine.step_log import StepClock, step_record
+from splash_rollout.engine.step_log import StepClock, StepRecord, step_record
 from splash_rollout.engine.sampler import SamplingBatch, sample
 from splash_rollout.engine.request_scheduler import ScheduledSeq, Scheduler
 from splash_rollout.engine.sleep import TensorOffload, memory_stats, release_memory, restore_memory
@@ -299,10 +299,8 @@ class Engine:
         self.window = TokenWindow.closed()
         """The token window the ranks are decoding (engine/token_window.py); one step outside one."""
         self.num_steps = 0
-        self.step_log: list[dict] = []
-        """Rank 0: one record per step (layout, rows, requests, prefill rows, control bytes, seconds and
-        their split into control / schedule / batch / forward / sample, plus ``policy``: the layout
-        driver's time consulting and feeding the policy since the previous record, mostly inside control)."""
+        self.step_log: list[StepRecord] = []
+        """Rank 0: one record per step (engine/step_log.py documents its fields)."""
         self.switch_log: list[dict] = []
         """Rank 0: one record per switch or deferral."""
         self.switch_measures: list[dict] = []
@@ -390,7 +388,7 @@ class Engine:
                     if on_step is not None:
                         waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
                         on_step(StepEvent(self.num_steps - 1, self.layout.value, len(finished), len(finished) + waiting,
-                                          prev.written, self.step_log[-1]["seconds"]))
+                                          prev.written, self.step_log[-1].seconds))
                 if self.heartbeat is not None:
                     self.heartbeat({"step": self.num_steps, "finished": len(finished)})
         except BaseException as e:
@@ -500,30 +498,29 @@ class Engine:
             return
         if self.mtp is not None:  # the module's passes: its chain (in control) and its rows after sampling
             clock.split["mtp"] = self.mtp.take_spent()
-        self.step_log.append(step_record(self.num_steps - 1, self.layout.value, scheduled, batch, self.scheduler,
-                                         clock, control_bytes, self.cpu_share.current, self.driver.take_policy_s()))
-        note = self.gate.take_change() if self.gate is not None else None
-        if note is not None:  # the gate changed the draft cap before this step
-            self.step_log[-1]["speculation"] = note
-        self.driver.observe_step(self.step_log[-1], scheduled)
+        note = self.gate.take_change() if self.gate is not None else None  # a draft cap changed before this step
+        record = step_record(self.num_steps - 1, self.layout.value, scheduled, batch, self.scheduler, clock,
+                             control_bytes, self.cpu_share.current, self.driver.take_policy_s(), note)
+        self.step_log.append(record)
+        self.driver.observe_step(record, scheduled)
         if switched:
-            self.switch_log[-1]["step_seconds"] = self.step_log[-1]["seconds"]
+            self.switch_log[-1]["step_seconds"] = record.seconds
         if self.gate is not None:
-            self._feed_gate(scheduled, self.step_log[-1], switched)
+            self._feed_gate(scheduled, record, switched)
 
-    def _feed_gate(self, scheduled: list[ScheduledSeq], record: dict, switched: bool) -> None:
+    def _feed_gate(self, scheduled: list[ScheduledSeq], record: StepRecord, switched: bool) -> None:
         """Rank 0 under ``speculation="auto"``: what the step's cap bought, what it wrote in its seconds,
         and, for a decode step that did not switch, what it cost against θ."""
-        self.gate.record(record["draft_cap"], record["verified"], record["draft_tokens"], record["accepted_tokens"],
-                         record["accepted_sq"])
+        self.gate.record(record.draft_cap, record.verified, record.draft_tokens, record.accepted_tokens,
+                         record.accepted_sq)
         if not switched:
-            self.gate.measure(record["tokens_written"], record["seconds"], drafted=record["draft_tokens"] > 0)
-        if switched or record["prefill_rows"]:
+            self.gate.measure(record.tokens_written, record.seconds, drafted=record.draft_tokens > 0)
+        if switched or record.prefill_rows:
             return
         rows = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=len(scheduled))
         context = np.fromiter((s.end for s in scheduled), dtype=np.int64, count=len(scheduled))
         self.gate.observe(StepBatch.make(context, rows, np.zeros_like(rows)),  # θ prices the rows, not the module
-                          record["seconds"] - record["split_s"].get("mtp", 0.0), drafted=record["draft_tokens"] > 0)
+                          record.seconds - record.split_s.get("mtp", 0.0), drafted=record.draft_tokens > 0)
 
     def _sampling_plan(self, scheduled: list[ScheduledSeq], batch: ForwardBatch, executor) -> "_SamplePlan":
         """Who draws which of the step's samples, in scheduled order: one per sampling chunk, one per

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from splash_rollout.engine.drafter import DRAFT_SOURCES
+from splash_rollout.engine.step_log import StepRecord
 from splash_rollout.rollout.types import Timeline
 
 SWITCH_KEYS = ("src", "dst", "step", "cause", "bytes_sent", "bytes_received", "overhead_ms",
@@ -29,37 +30,37 @@ MEMORY_STEP = 0.05
 """A phase's memory_curve gets a point whenever a fraction moved by this much."""
 
 
-def memory_fractions(step: dict[str, Any]) -> tuple[float, float]:
+def memory_fractions(step: StepRecord) -> tuple[float, float]:
     """(used, used + expected growth) of the busiest rank's pool in one step record."""
-    used, promised, total = step.get("pages_used"), step.get("pages_promised"), step.get("pages_total")
+    used, promised, total = step.pages_used, step.pages_promised, step.pages_total
     if not used or not total:
         return 0.0, 0.0
     return (max(u / t for u, t in zip(used, total)),
             max((u + p) / t for u, p, t in zip(used, promised or [0] * len(used), total)))
 
 
-def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def phases_from_steps(steps: list[StepRecord]) -> list[dict[str, Any]]:
     phases: list[dict[str, Any]] = []
     t = 0.0
     for s in steps:
-        t_end = t + s["seconds"]
-        if phases and phases[-1]["layout"] == s["layout"]:
+        t_end = t + s.seconds
+        if phases and phases[-1]["layout"] == s.layout:
             p = phases[-1]
-            p.update(t_end=t_end, steps=p["steps"] + 1, batch_size_end=s["running"], tokens=p["tokens"] + s["rows"])
+            p.update(t_end=t_end, steps=p["steps"] + 1, batch_size_end=s.running, tokens=p["tokens"] + s.rows)
         else:
-            p = {"layout": s["layout"], "t_start": t, "t_end": t_end, "steps": 1, "batch_size_start": s["requests"],
-                 "batch_size_end": s["running"], "tokens": s["rows"], "batch_curve": [[t, s["requests"]]],
+            p = {"layout": s.layout, "t_start": t, "t_end": t_end, "steps": 1, "batch_size_start": s.requests,
+                 "batch_size_end": s.running, "tokens": s.rows, "batch_curve": [[t, s.requests]],
                  "memory_curve": [[t, *memory_fractions(s)]], "speculation_spans": []}
             phases.append(p)
-        if s.get("draft_tokens", 0):  # extend the phase's last span of drafted steps, or open one
+        if s.draft_tokens:  # extend the phase's last span of drafted steps, or open one
             spans = p["speculation_spans"]
             if spans and spans[-1][1] == t:
                 spans[-1][1] = t_end
             else:
                 spans.append([t, t_end])
         last = p["batch_curve"][-1][1]
-        if abs(s["running"] - last) >= CURVE_STEP * max(last, 1):
-            p["batch_curve"].append([t_end, s["running"]])
+        if abs(s.running - last) >= CURVE_STEP * max(last, 1):
+            p["batch_curve"].append([t_end, s.running])
         mem, mem_last = memory_fractions(s), p["memory_curve"][-1][1:]
         if max(abs(a - b) for a, b in zip(mem, mem_last)) >= MEMORY_STEP:
             p["memory_curve"].append([t_end, *mem])
@@ -74,7 +75,7 @@ def phases_from_steps(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return phases
 
 
-def build_timeline(steps: list[dict[str, Any]], switches: list[dict[str, Any]],
+def build_timeline(steps: list[StepRecord], switches: list[dict[str, Any]],
                    decisions: list[dict[str, Any]] = ()) -> Timeline:
     records = []
     for r in switches:
@@ -82,7 +83,7 @@ def build_timeline(steps: list[dict[str, Any]], switches: list[dict[str, Any]],
         if rec["deferred_reason"] is not None:
             rec.update(bytes_sent=None, bytes_received=None, overhead_ms=None, blocking_estimate_ms=None)
         records.append(rec)
-    speculation = [{"step": s["step"], **s["speculation"]} for s in steps if s.get("speculation")]
+    speculation = [{"step": s.step, **s.speculation} for s in steps if s.speculation]
     return Timeline(phases=phases_from_steps(steps), switches=records, decisions=list(decisions),
                     speculation=speculation)
 
@@ -102,33 +103,33 @@ def layout_metrics(timeline: Timeline) -> dict[str, float]:
     return out
 
 
-def memory_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
+def memory_metrics(steps: list[StepRecord]) -> dict[str, float]:
     """``rollout/*`` memory records of one call: retractions, prompt KV taken from another sample or
     from the prefix cache instead of computed (and the cache's share of it), prefill rows computed,
     and the busiest rank's peak and mean pool use."""
     used = [memory_fractions(s)[0] for s in steps] or [0.0]
-    return {"rollout/retractions": float(sum(s.get("retracted", 0) for s in steps)),
-            "rollout/prefix_hit_tokens": float(sum(s.get("prefix_hit_tokens", 0) for s in steps)),
-            "rollout/cached_tokens": float(sum(s.get("cached_tokens", 0) for s in steps)),
-            "rollout/prefill_rows": float(sum(s.get("prefill_rows", 0) for s in steps)),
+    return {"rollout/retractions": float(sum(s.retracted for s in steps)),
+            "rollout/prefix_hit_tokens": float(sum(s.prefix_hit_tokens for s in steps)),
+            "rollout/cached_tokens": float(sum(s.cached_tokens for s in steps)),
+            "rollout/prefill_rows": float(sum(s.prefill_rows for s in steps)),
             "memory/kv_used_peak": float(max(used)), "memory/kv_used_mean": float(sum(used) / len(used))}
 
 
-def speculation_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
+def speculation_metrics(steps: list[StepRecord]) -> dict[str, float]:
     """``spec/*`` of one call: drafted tokens verified, drafted tokens kept, tokens a verified row
     yields (the kept drafts plus the token sampled after them, per verified row) and steps that
     verified any draft; per draft source (``spec/verified/<source>``, ``spec/acceptance_len/<source>``:
     group, history, own, prompt -- where the draft's first token was last seen --, and mtp, the model's
     MTP module); ``spec/accepted_at/<j>``: of the drafts with a token j (1-based) whose earlier tokens
     were all kept, the share whose token j was kept too (the chance a draft goes on at j)."""
-    drafted, verified = sum(s.get("draft_tokens", 0) for s in steps), sum(s.get("verified", 0) for s in steps)
-    accepted = sum(s.get("accepted_tokens", 0) for s in steps)
+    drafted, verified = sum(s.draft_tokens for s in steps), sum(s.verified for s in steps)
+    accepted = sum(s.accepted_tokens for s in steps)
     out = {"spec/draft_tokens": float(drafted), "spec/accepted_tokens": float(accepted),
            "spec/acceptance_len": (accepted + verified) / verified if verified else 0.0,
-           "spec/steps_on": float(sum(s.get("draft_tokens", 0) > 0 for s in steps))}
+           "spec/steps_on": float(sum(s.draft_tokens > 0 for s in steps))}
     by_position: list[list[int]] = []
     for s in steps:
-        for j, (drafted_j, kept_j) in enumerate(s.get("draft_positions", ())):
+        for j, (drafted_j, kept_j) in enumerate(s.draft_positions):
             if j == len(by_position):
                 by_position.append([0, 0])
             by_position[j][0] += drafted_j
@@ -136,7 +137,7 @@ def speculation_metrics(steps: list[dict[str, Any]]) -> dict[str, float]:
     for j, (drafted_j, kept_j) in enumerate(by_position):
         out[f"spec/accepted_at/{j + 1}"] = kept_j / drafted_j
     for source in DRAFT_SOURCES:
-        counts = [s["draft_sources"][source] for s in steps if source in s.get("draft_sources", ())]
+        counts = [s.draft_sources[source] for s in steps if source in s.draft_sources]
         v, kept = sum(c[0] for c in counts), sum(c[2] for c in counts)
         out[f"spec/verified/{source}"] = float(v)
         out[f"spec/acceptance_len/{source}"] = (kept + v) / v if v else 0.0

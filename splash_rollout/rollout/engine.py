@@ -306,14 +306,14 @@ class RolloutEngine:
         timeline = build_timeline(steps, served.switches, served.decisions)
         lens = [len(by_id[r.request_id].output_ids) for r in requests] or [0]
         num_tokens = sum(lens)
-        control = [s["control_bytes"] for s in steps] or [0]
+        control = [s.control_bytes for s in steps] or [0]
         metrics = {"rollout/response_len/mean": float(np.mean(lens)), "rollout/response_len/max": float(max(lens)),
                    "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9), "perf/steps": float(len(steps)),
-                   "perf/max_running": float(max((s["running"] for s in steps), default=0)),
+                   "perf/max_running": float(max((s.running for s in steps), default=0)),
                    "perf/control_bytes_max": float(max(control)), "perf/control_bytes_mean": float(np.mean(control)),
                    "timing_s/generate": elapsed,
                    "rollout/aborted_samples": float(sum(r.finish_reason == "abort" for r in results)),
-                   "timing_s/policy": float(sum(s["split_s"].get("policy", 0.0) for s in steps))}
+                   "timing_s/policy": float(sum(s.split_s.get("policy", 0.0) for s in steps))}
         if earlier_versions:
             metrics["rollout/resumed_samples"] = float(len(earlier_versions))
         metrics.update(served.metrics)
@@ -580,12 +580,12 @@ class RolloutEngine:
         loop = self._loop
         log = loop.log if loop is not None else LoopLog()
         recent = log.steps[-RATE_STEPS:]
-        seconds = sum(s["seconds"] for s in recent)
+        seconds = sum(s.seconds for s in recent)
         return {"running": log.state.get("running", 0), "waiting": log.state.get("waiting", 0),
                 "in_flight": loop.in_flight if loop is not None else 0,
                 **{f"pages_{what}": list(log.state.get(f"pages_{what}", [])) for what in ("used", "cached", "total")},
                 "layout": log.state.get("layout", self.config.parallel.layout),
-                "tokens_per_second": sum(s["tokens_written"] for s in recent) / seconds if seconds > 0 else 0.0,
+                "tokens_per_second": sum(s.tokens_written for s in recent) / seconds if seconds > 0 else 0.0,
                 "weight_version": self.weight_version, "total_steps": log.total_steps,
                 **{key: log.totals.get(key, 0) for key in TOTALS},
                 "tokens_out": loop.tokens_out if loop is not None else 0}

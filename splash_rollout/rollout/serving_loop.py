@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from splash_rollout.engine.request import Request
+from splash_rollout.engine.step_log import StepRecord
 from splash_rollout.rollout.group_handle import GroupHandle, TokenDelta
 from splash_rollout.rollout.ranks import RequestRecord, RequestResult, worker_serve_async
 from splash_rollout.rollout.types import Sample, SampleGroup
@@ -71,7 +72,7 @@ class RequestHandle(GroupHandle):
 class LoopLog:
     """What the loop's polls logged (rank 0's step, switch and decision records), rolling."""
 
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
     switches: list[dict[str, Any]] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     total_steps: int = 0
@@ -89,7 +90,7 @@ class LoopLog:
         self.total_steps += len(steps)
         for s in steps:
             for key in ("prefill_rows", "cached_tokens", "tokens_written"):
-                self.totals[key] += s.get(key, 0)
+                self.totals[key] += getattr(s, key)
         self.totals["switches"] += len(switches)
         del self.steps[:-STEP_LOG_KEEP]
         del self.switches[:-STEP_LOG_KEEP]
@@ -103,7 +104,7 @@ class LoopLog:
         if since is None:
             return build_timeline(self.steps, self.switches, self.decisions).to_dict()
         steps = list(self.steps[-(self.total_steps - since):]) if self.total_steps > since else []
-        first = steps[0]["step"] if steps else None
+        first = steps[0].step if steps else None
         later = (lambda rows: [r for r in rows if first is not None and r.get("step", -1) >= first])
         return build_timeline(steps, later(self.switches), later(self.decisions)).to_dict()
 

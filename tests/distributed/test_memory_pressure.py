@@ -68,8 +68,8 @@ def pressured_serve(ctx, groups, temperature: float, switches: list[tuple[int, s
     if ctx.rank:
         return held
     log, engine.step_log[:] = list(engine.step_log), []
-    return dict(held, outputs=_outputs(finished), retracted=sum(s["retracted"] for s in log),
-                forks=sum(s["forks"] for s in log), layouts=sorted({s["layout"] for s in log}))
+    return dict(held, outputs=_outputs(finished), retracted=sum(s.retracted for s in log),
+                forks=sum(s.forks for s in log), layouts=sorted({s.layout for s in log}))
 
 
 def oracle(groups, temperature: float):

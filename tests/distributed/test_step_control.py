@@ -34,7 +34,7 @@ def decode_steps(ctx, batch: int, context: int, switch_to: str | None = None) ->
         engine.request_switch(switch_to)
     engine.serve([], max_steps=1)
     engine.abort_all()
-    return [dict(s, layout_after=engine.layout.value) for s in engine.step_log] if ctx.rank == 0 else None
+    return list(engine.step_log) if ctx.rank == 0 else None
 
 
 @pytest.mark.slow
@@ -42,13 +42,13 @@ def test_control_bytes_do_not_grow_with_context(group2):
     short = group2.run(decode_steps, 256, 64)[0]
     long = group2.run(decode_steps, 256, 8192, "dop")[0]
     # steps 0 and 1 decode 256 requests; step 2 switches DP -> DOP
-    print("control bytes per step, S=64:", [s["control_bytes"] for s in short],
-          "S=8192:", [s["control_bytes"] for s in long])
-    assert long[1]["requests"] == 256 and long[1]["rows"] == 256  # a real decode step of B = 256
-    assert long[1]["control_bytes"] <= 1024 and long[1]["control_bytes"] == long[0]["control_bytes"]  # no tokens
-    assert long[1]["control_bytes"] == short[1]["control_bytes"]  # the same at 64 and 8,192 tokens of history
-    assert long[2]["layout"] == "dop" and long[2]["control_bytes"] <= 64 * 1024  # the switching step
-    assert long[2]["control_bytes"] - long[1]["control_bytes"] < 512  # a switch order is a few bytes
+    print("control bytes per step, S=64:", [s.control_bytes for s in short],
+          "S=8192:", [s.control_bytes for s in long])
+    assert long[1].requests == 256 and long[1].rows == 256  # a real decode step of B = 256
+    assert long[1].control_bytes <= 1024 and long[1].control_bytes == long[0].control_bytes  # no tokens
+    assert long[1].control_bytes == short[1].control_bytes  # the same at 64 and 8,192 tokens of history
+    assert long[2].layout == "dop" and long[2].control_bytes <= 64 * 1024  # the switching step
+    assert long[2].control_bytes - long[1].control_bytes < 512  # a switch order is a few bytes
 
 
 def diverging_step(ctx) -> str | None:
@@ -93,7 +93,7 @@ def windowed_run(ctx, window: int):
     if ctx.rank:
         return None
     return ({r.request_id: (r.output_ids, r.output_logprobs, r.finish_reason) for r in finished},
-            sum(1 for s in engine.step_log if s["control_bytes"]), len(engine.step_log),
+            sum(1 for s in engine.step_log if s.control_bytes), len(engine.step_log),
             engine.scheduler.placement.pages_in_use)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
+from splash_rollout.engine.step_log import StepRecord
 from splash_rollout.layout import Layout
 from splash_rollout.scheduling import Decision, LayoutPolicy, PolicyConfig
 from splash_rollout.scheduling.decision_events import DecisionEvents
@@ -99,8 +100,8 @@ def _drive(driver, sched, layout, steps, finish_at=(), switch=True):
         if want is not None and switch:
             layout = want[0]
             driver.switched()
-        record = {"layout": layout.value, "seconds": 0.05, "requests": len(sched.running), "rows": len(sched.running),
-                  "prefill_rows": 0, "split_s": {"policy": driver.take_policy_s()}}
+        record = StepRecord(step, layout.value, seconds=0.05, requests=len(sched.running), rows=len(sched.running),
+                            split_s={"policy": driver.take_policy_s()})
         driver.observe_step(record, [SimpleNamespace(request=r, num_new=1, end=r.num_computed_tokens)
                                      for r in sched.running])
         if step in finish_at:
@@ -156,7 +157,7 @@ def test_a_deferred_switch_is_decided_again_and_logged_once():
 
 def test_steps_in_layout_counts_steps_and_restarts_at_a_switch():
     driver = LayoutDriver(None)
-    rec = {"layout": "dp", "seconds": 0.01, "requests": 0, "rows": 0, "prefill_rows": 0, "split_s": {}}
+    rec = StepRecord(0, "dp", seconds=0.01)
     for _ in range(5):
         driver.observe_step(rec, [])
     assert driver.steps_in_layout == 5 and driver.take_policy_s() == 0.0

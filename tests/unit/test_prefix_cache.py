@@ -44,10 +44,10 @@ def test_the_next_turn_prefills_only_what_is_new_and_samples_the_same():
         (plain_first, plain_second), plain_log = _turns(_engine(cache=False))
     assert (second.output_ids, second.output_logprobs) == (plain_second.output_ids, plain_second.output_logprobs)
     context = first.num_tokens - 1  # the computed part of the first turn (its last token has no KV yet)
-    cached = sum(s["cached_tokens"] for s in log)
+    cached = sum(s.cached_tokens for s in log)
     assert cached == context // PAGE * PAGE  # every full computed page of the first turn
-    assert sum(s["prefill_rows"] for s in log) == sum(s["prefill_rows"] for s in plain_log) - cached
-    assert all(s["cached_tokens"] == 0 for s in plain_log)
+    assert sum(s.prefill_rows for s in log) == sum(s.prefill_rows for s in plain_log) - cached
+    assert all(s.cached_tokens == 0 for s in plain_log)
 
 
 def test_cached_pages_count_as_free_and_give_way_before_any_retraction():
@@ -128,7 +128,7 @@ def test_tight_pools_with_shared_groups_sample_what_an_uncached_engine_samples(s
     cached, engine = run(True)
     plain, _ = run(False)
     assert cached == plain
-    assert sum(s["cached_tokens"] for s in engine.step_log) > 0  # the cache served some prompts
+    assert sum(s.cached_tokens for s in engine.step_log) > 0  # the cache served some prompts
     engine.scheduler.clear_cache()
     m = engine.scheduler.placement.managers[0]
     assert m.num_free == m.num_pages and m.num_reclaimable == 0 and m.num_held == 0

@@ -87,10 +87,10 @@ def test_a_prompt_is_prefilled_once_per_group(model_state):
     groups = [(37, 8, 6), (16, 8, 6), (5, 2, 6), (23, 1, 6)]
     finished = engine.serve(_requests(groups, 1.0))
     assert len(finished) == 19
-    prefill = sum(s["prefill_rows"] for s in engine.step_log)
+    prefill = sum(s.prefill_rows for s in engine.step_log)
     assert prefill == 37 + 16 + 5 + 23  # distinct prompts, not samples
-    assert sum(s["forks"] for s in engine.step_log) == 7 + 7 + 1
-    assert sum(s["prefix_hit_tokens"] for s in engine.step_log) == 7 * 37 + 7 * 16 + 5
+    assert sum(s.forks for s in engine.step_log) == 7 + 7 + 1
+    assert sum(s.prefix_hit_tokens for s in engine.step_log) == 7 * 37 + 7 * 16 + 5
     _assert_nothing_held(engine)
 
 
@@ -111,7 +111,7 @@ def test_retracted_samples_continue_as_if_never_retracted(model_state, oracle_en
     groups = [(12, 1, 40), (12, 1, 40), (12, 2, 40)]
     finished = engine.serve(_requests(groups, temperature))
     assert _outputs(finished) == _outputs(oracle_engine.serve(_requests(groups, temperature)))
-    assert sum(s["retracted"] for s in engine.step_log) >= 1
+    assert sum(s.retracted for s in engine.step_log) >= 1
     assert sum(r.num_retractions for r in finished) >= 1
     _assert_nothing_held(engine)
 
@@ -120,8 +120,8 @@ def test_worst_case_admission_never_retracts(model_state):
     engine = _engine(model_state, num_pages=10, max_num_batched_tokens=48,
                      admission=AdmissionSettings(mode="worst_case"))
     finished = engine.serve(_requests([(12, 1, 40), (12, 1, 40), (12, 1, 40)], 0.0))
-    assert len(finished) == 3 and sum(s["retracted"] for s in engine.step_log) == 0
-    assert max(s["running"] for s in engine.step_log) == 1  # 52 tokens = 7 of 10 pages each
+    assert len(finished) == 3 and sum(s.retracted for s in engine.step_log) == 0
+    assert max(s.running for s in engine.step_log) == 1  # 52 tokens = 7 of 10 pages each
     _assert_nothing_held(engine)
 
 

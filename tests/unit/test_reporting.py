@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from splash_rollout.engine.step_log import StepRecord
 from splash_rollout.reporting import JsonlSink, MetricsSink, MultiSink, NoOpSink, RolloutProgress, make_sink
 from splash_rollout.reporting.timeline_report import TABLE_COLUMNS, layout_metrics, plot_timeline, table_rows, \
     write_timeline_json
@@ -116,13 +117,13 @@ def test_phases_keep_the_drain_shape_in_a_few_points():
     from splash_rollout.rollout.call_timeline import phases_from_steps
 
     running = [128, 120, 100, 90, 60, 40, 39, 20, 5, 3, 2, 1, 1, 1, 0]
-    steps = [{"layout": "dp" if i < 10 else "dop", "seconds": 0.5, "requests": r, "running": r, "rows": r}
+    steps = [StepRecord(i, "dp" if i < 10 else "dop", seconds=0.5, requests=r, running=r, rows=r)
              for i, r in enumerate(running)]
     dp, dop = phases_from_steps(steps)
     # a point each time the batch moved by a fifth of the last point, plus the start and the end
     assert dp["batch_curve"] == [[0.0, 128], [1.5, 100], [2.5, 60], [3.0, 40], [4.0, 20], [4.5, 5], [5.0, 3]]
     assert dop["batch_curve"] == [[5.0, 2], [6.0, 1], [7.5, 0]]
     assert (dp["batch_size_start"], dp["batch_size_end"], dop["t_end"]) == (128, 3, 7.5)
-    refill = [{"layout": "dop", "seconds": 1.0, "requests": r, "running": r, "rows": r} for r in (10, 5, 5, 9, 10, 0)]
+    refill = [StepRecord(i, "dop", seconds=1.0, requests=r, running=r, rows=r) for i, r in enumerate((10, 5, 5, 9, 10, 0))]
     (phase,) = phases_from_steps(refill)  # admission refills the batch from the queue: kept too
     assert phase["batch_curve"] == [[0.0, 10], [2.0, 5], [4.0, 9], [6.0, 0]]

@@ -159,6 +159,7 @@ def test_a_single_token_match_drafts_nothing_unless_allowed():
 
 
 def test_each_draft_is_credited_to_where_its_first_token_was_seen():
+    from splash_rollout.engine.step_log import StepRecord
     from splash_rollout.rollout.call_timeline import speculation_metrics
 
     drafter = SuffixDrafter(max_ngram=3, min_confidence=0.0)
@@ -177,8 +178,8 @@ def test_each_draft_is_credited_to_where_its_first_token_was_seen():
     assert drafter.propose(later, 1) == (9,) and drafter.source(later) == "history"
     drafter.observe(later, 1, 0)
     assert drafter.stats.by_source["group"] == [1, 1, 1] and drafter.stats.by_source["history"] == [1, 1, 0]
-    steps = [{"draft_tokens": 2, "verified": 2, "accepted_tokens": 1,
-              "draft_sources": {"group": [1, 1, 1], "history": [1, 1, 0]}}]
+    steps = [StepRecord(0, "tp", draft_tokens=2, verified=2, accepted_tokens=1,
+                        draft_sources={"group": [1, 1, 1], "history": [1, 1, 0]})]
     metrics = speculation_metrics(steps)
     assert metrics["spec/acceptance_len/group"] == 2.0 and metrics["spec/acceptance_len/history"] == 1.0
     assert metrics["spec/verified/own"] == 0.0 and metrics["spec/acceptance_len"] == 1.5
