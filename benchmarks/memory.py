@@ -39,8 +39,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from splash_rollout.scheduling.admission import AdmissionSettings  # noqa: E402
-from splash_rollout.engine.rank_engine import Engine, EngineSettings  # noqa: E402
+from splash_rollout.engine.options import EngineSettings  # noqa: E402
+from splash_rollout.engine.rank_engine import Engine  # noqa: E402
+from splash_rollout.rollout.build import engine_settings  # noqa: E402
+from splash_rollout.rollout.config import EngineConfig  # noqa: E402
 from splash_rollout.engine.request import Request, SamplingSpec  # noqa: E402
 from splash_rollout.models.config import PRESETS  # noqa: E402
 from splash_rollout.models.model import MLAForCausalLM  # noqa: E402
@@ -147,7 +149,7 @@ def run_single(work: dict, settings: EngineSettings, seed: int) -> dict:
             "peak_pages_per_group": max(peak_group.values()),
             "median_group_peak_pages": float(np.median(list(peak_group.values()))),
             "group_peak_pages": [peak_group.get(tuple(p), 0) for p in work["prompts"]], "response_len": lengths(out),
-            "group_full_pages": [full_group_pages(len(p), lens_by_group.get(tuple(p), []), settings.page_size)
+            "group_full_pages": [full_group_pages(len(p), lens_by_group.get(tuple(p), []), settings.memory.page_size)
                                  for p in work["prompts"]]}
 
 
@@ -162,12 +164,14 @@ def full_group_pages(prompt_len: int, response_lens: list[int], page_size: int) 
 
 
 def single_rank_runs(part: str, work: dict, p: dict, args, variants: dict[str, dict]) -> dict[str, dict]:
-    """One engine run per variant (EngineSettings overrides) on the same workload and pool."""
+    """One engine run per variant (memory fields over the pool's) on the same workload and pool."""
     runs = {}
     for name, overrides in variants.items():
-        settings = EngineSettings(num_pages=p["pool_tokens"] // PAGE_SIZE, page_size=PAGE_SIZE,
-                                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  **overrides)
+        config = EngineConfig(model=PRESETS[MODEL], compute=dict(speculation="off"),
+                              memory=dict(num_pages=p["pool_tokens"] // PAGE_SIZE, page_size=PAGE_SIZE, **overrides),
+                              batching=dict(max_num_batched_tokens=args.max_num_batched_tokens,
+                                            max_num_seqs=args.max_num_seqs))
+        settings = engine_settings(config)
         r = runs[name] = run_single(work, settings, args.seed)
         print(f"  {part}/{name}: {r['tokens_per_s']:.1f} tok/s, mean running {r['mean_running']:.1f}, "
               f"retractions {r['retractions']}, peak pages per group {r['peak_pages_per_group']}", file=sys.stderr)
@@ -201,7 +205,7 @@ def full_group_bound(groups: list[dict[str, int]]) -> dict:
 def part_admission(p: dict, args) -> dict:
     work = workload(p, args, args.seed + 1)
     runs = single_rank_runs("admission", work, p, args,
-                            {mode: {"admission": AdmissionSettings(mode=mode)} for mode in ("optimistic", "worst_case")})
+                            {mode: {"admission": mode} for mode in ("optimistic", "worst_case")})
     o, w = runs["optimistic"], runs["worst_case"]
     return {"workload": describe(work), "runs": runs,
             "ratio_mean_running": o["mean_running"] / w["mean_running"],

@@ -70,10 +70,14 @@ def point_on_rank(ctx, core: str, layout: str, batch: int, context: int, steps: 
     model = MLAForCausalLM.from_config(cfg, seed=0).eval()
     if core == "rank0":
         return _rank0_core(ctx, cfg, model, layout, batch, context, steps, page_size, pages)
-    from splash_rollout.engine.rank_engine import Engine, EngineSettings
+    from splash_rollout.engine.rank_engine import Engine
+    from splash_rollout.rollout.build import engine_settings
+    from splash_rollout.rollout.config import EngineConfig
 
-    settings = EngineSettings(layout=Layout.parse(layout), num_pages=pages, page_size=page_size,
-                              max_num_batched_tokens=batch, max_num_seqs=batch)
+    settings = engine_settings(EngineConfig(model=cfg, parallel=dict(world_size=ctx.world_size, layout=layout),
+                                            memory=dict(num_pages=pages, page_size=page_size),
+                                            batching=dict(max_num_batched_tokens=batch, max_num_seqs=batch),
+                                            compute=dict(speculation="off")))
     engine = Engine(model, cfg, ctx.groups, settings)
     admit_as_decoding(engine.scheduler, warm_requests(cfg, batch, context))  # every rank: its replica
     engine.serve([], max_steps=steps)

@@ -28,3 +28,8 @@ def from_mapping(cls, values: Mapping[str, Any], where: str, convert: Mapping[st
         return cls(**kwargs)
     except ValueError as e:  # name the field where the caller wrote it
         raise ValueError(f"{where}.{e}" if str(e).split(":")[0] in names else f"{where}: {e}") from None
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (``True`` is an int to Python, never to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -20,7 +20,10 @@ except ModuleNotFoundError as e:  # the engine installs without the recipe's sta
     raise ModuleNotFoundError(f"python -m splash_rollout.run needs the GRPO recipe's stack ({e.name} is not installed): "
                               f"pip install \"splash_rollout[rl]\"", name=e.name) from e
 
+from splash_rollout.recipes.engine_config import register_engine_fields  # noqa: E402
+
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+register_engine_fields()
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

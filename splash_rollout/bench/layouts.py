@@ -15,10 +15,11 @@ import statistics
 
 import torch
 
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.engine.step_log import StepRecord
-from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.models.numerics import set_numerics
@@ -38,10 +39,11 @@ def bench_on_rank(ctx, model: str, layouts: str | list[str], batches: list[int],
     cfg = resolve_model(model)
     most = max(batches) * (max(contexts) + DECODE_STEPS + page_size)
     # each engine shards its own copy of the model (same seed: same weights)
-    settings = {name: EngineSettings(layout=Layout.parse(name), num_pages=most // page_size + max(batches) + 1,
-                                     page_size=page_size, max_num_batched_tokens=max(batches) * max(contexts),
-                                     max_num_seqs=max(batches), attention_backend=attention_backend)
-                for name in names}
+    settings = {name: engine_settings(EngineConfig(
+        model=cfg, parallel=dict(world_size=ctx.world_size, layout=name),
+        memory=dict(num_pages=most // page_size + max(batches) + 1, page_size=page_size),
+        batching=dict(max_num_batched_tokens=max(batches) * max(contexts), max_num_seqs=max(batches)),
+        compute=dict(attention_backend=attention_backend, speculation="off"))) for name in names}
     engines = {name: Engine(MLAForCausalLM.from_config(cfg, seed=0).eval(), cfg, ctx.groups, settings[name])
                for name in names}
 

@@ -13,7 +13,9 @@ from itertools import combinations
 
 import torch
 
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout.layouts import ALL_LAYOUTS
 from splash_rollout.models.config import resolve_model
@@ -30,8 +32,10 @@ def bench_switch_on_rank(ctx, model: str, batch: int, context: int, runs: int, p
     cfg = resolve_model(model)
     out = []
     for a, b in combinations(ALL_LAYOUTS, 2):
-        settings = EngineSettings(layout=a, num_pages=batch * (context + 8 * runs + 64) // page_size + batch,
-                                  page_size=page_size, max_num_batched_tokens=batch * context, max_num_seqs=batch)
+        settings = engine_settings(EngineConfig(
+            model=cfg, parallel=dict(world_size=ctx.world_size, layout=a.value),
+            memory=dict(num_pages=batch * (context + 8 * runs + 64) // page_size + batch, page_size=page_size),
+            batching=dict(max_num_batched_tokens=batch * context, max_num_seqs=batch), compute=dict(speculation="off")))
         engine = Engine(MLAForCausalLM.from_config(cfg, seed=0).eval(), cfg, ctx.groups, settings)
         g = torch.Generator().manual_seed(11)  # the same requests on every rank
         reqs = [Request(i, torch.randint(3, cfg.vocab_size, (context,), generator=g).tolist(),

@@ -35,21 +35,21 @@ from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.engine.attention import get_backend
 from splash_rollout.engine.block_table import BlockTable
 from splash_rollout.engine.cpu_share import CpuShare
-from splash_rollout.engine.cuda_graphs import CUDA_GRAPH_MODES, DecodeGraphs, decode_buckets
+from splash_rollout.engine.cuda_graphs import DecodeGraphs, decode_buckets
 from splash_rollout.engine.executors.cp import CPExecutor
 from splash_rollout.engine.executors.dop import DOPExecutor
 from splash_rollout.engine.executors.dp import DPExecutor
 from splash_rollout.engine.executors.tp import TPExecutor
 from splash_rollout.engine.forward_batch import ForwardBatch, device_index
 from splash_rollout.engine.kv_pool import KVPool, KVPoolSpec
-from splash_rollout.scheduling.admission import AdmissionSettings
 from splash_rollout.engine.kv_switch import retire_source_pages, switch_placement
 from splash_rollout.engine.drafter import SuffixDrafter
 from splash_rollout.engine.mtp_drafter import (MTPDrafter, ShadowRows, empty_mtp_module, mtp_shapes, mtp_targets,
                                                 take_mtp_module)
 from splash_rollout.engine.speculation_gate import SpeculationGate
 from splash_rollout.scheduling.cost_model import StepBatch
-from splash_rollout.engine.layout_driver import DriverConfig, LayoutDriver
+from splash_rollout.engine.layout_driver import LayoutDriver
+from splash_rollout.engine.options import EngineSettings
 from splash_rollout.engine.model_runner import ModelRunner
 from splash_rollout.engine import rank_weights
 from splash_rollout.engine.parallel_mlp import placement_problem
@@ -74,8 +74,6 @@ from splash_rollout.models.weights import Target
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.weights import WeightSource
 
-DRAFT_KINDS = ("ngram", "mtp")
-"""``EngineSettings.draft``: where drafts come from."""
 EXECUTORS = {Layout.TP: TPExecutor, Layout.DP: DPExecutor, Layout.DOP: DOPExecutor, Layout.CP: CPExecutor}
 _BYTES_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
 
@@ -92,72 +90,6 @@ def pages_per_rank(config: ModelConfig, layout: Layout, world_size: int, budget_
     sizes = sizes_for(config, dtype)
     weights = (sizes.w_a // world_size if layout.shards_projections else sizes.w_a) + sizes.w_replicated
     return pool_tokens(budget_bytes, weights, sizes.kv_bytes_per_token_total, page_size) // page_size
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """How an engine serves (the model and the ranks come separately)."""
-
-    layout: Layout = Layout.TP
-    num_pages: int = 256
-    """KV pages per rank in ``layout`` (ignored where ``pages_by_layout`` names the layout)."""
-    page_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    attention_backend: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    pages_by_layout: dict[Layout, int] | None = None
-    """KV pages per rank in each layout under one memory budget (memory follows the layout on a
-    switch); None keeps ``num_pages`` in every layout."""
-    switch_schedule: dict[int, Layout] = field(default_factory=dict)
-    """Engine step -> layout to switch to at that step (tests and benchmarks)."""
-    reachable_layouts: tuple[Layout, ...] = ()
-    """Layouts the engine may enter on its own (``auto``): a request that any of their pools can hold
-    is accepted. Empty: only the current layout's pools count. Every rank's replica uses this, so
-    they all accept the same requests."""
-    admission: AdmissionSettings = AdmissionSettings()
-    """How much KV growth admission expects (optimistic, with retraction; or worst case)."""
-    prefix_sharing: bool = True
-    """The samples of one prompt share its KV pages and prefill it once."""
-    prefix_cache: bool = True
-    """A finished request's full pages stay cached for later requests that start with the same tokens
-    (engine/prefix_cache.py; evicted least recently used under memory pressure, emptied by a weight
-    update, a switch or sleep). Needs ``prefix_sharing``; off with ``return_routing``."""
-    return_routing: bool = False
-    """Rank 0 records every token's routed experts per MoE layer (engine/routing_capture.py)."""
-    cpu_share: bool = True
-    """One CPU rank: each step computes with the cores other processes leave free (engine/cpu_share.py)."""
-    driver: DriverConfig = DriverConfig()
-    """When rank 0 consults the layout policy and feeds its correction."""
-    speculation: str = "off"
-    """``always``: decoding requests verify drafts (engine/drafter.py); ``auto``: when rank 0's gate
-    prices them faster (engine/speculation_gate.py); ``off``: one token a step."""
-    draft: str = "ngram"
-    """Where drafts come from: ``ngram`` (engine/drafter.py: text the samples have seen) or ``mtp`` (the
-    model's own MTP module, run on rank 0: engine/mtp_drafter.py; the model config must declare one,
-    ``num_mtp_layers`` >= 1, and the weights hold it)."""
-    feed_forward: str = "sharded"
-    """MLP / MoE weights over T ranks: ``sharded`` (1/T each, a collective per block) or ``replicated``
-    (whole on every rank, each row computed on one rank; engine/parallel_mlp.py)."""
-    decode_window: int = 8
-    """DP-attention on T > 1 ranks: most steps the ranks decode between two exchanges of sampled tokens
-    (a token window, engine/token_window.py, where nothing but a stop can change the batch); 1: every step."""
-    decode_buckets: tuple[int, ...] = ()
-    """Request counts a plain decode step is padded up to (with its key width padded to a power of two
-    of pages), so every step of a bucket runs the same shapes -- what CUDA graphs replay. Empty: no
-    padding (the CPU's default: padded rows would cost compute), or the graphs' buckets when they are on."""
-    cuda_graphs: str = "off"
-    """``auto``: on a CUDA device, decode steps replay CUDA graphs per (layout, bucket), each checked once
-    against the eager step (engine/cuda_graphs.py); ``on``: the same unchecked, refused off CUDA; ``off``."""
-    graph_reserve_bytes: int = 0
-    """What the budget set aside for the graphs (``cuda_graphs.graph_reserve_bytes``), checked at capture."""
-    max_model_len: int = 4096
-    """Longest history a request may reach: the widest key axis a graph is captured at."""
-
-    @property
-    def initial_pages(self) -> int:
-        return self.pages_by_layout[self.layout] if self.pages_by_layout else self.num_pages
 
 
 @dataclass(frozen=True)
@@ -200,7 +132,7 @@ class _Step:
 
 class Engine:
     def __init__(self, weights: torch.nn.Module | WeightSource, config: ModelConfig, groups: ProcessGroups,
-                 settings: EngineSettings = EngineSettings(), *, policy=None, price_step=None,
+                 settings: EngineSettings, *, policy=None, price_step=None,
                  heartbeat: Callable[[dict], None] | None = None,
                  should_abort: Callable[[], bool] | None = None) -> None:
         """weights: where this rank's weights come from -- a ``WeightSource`` (a checkpoint's files, a
@@ -214,7 +146,7 @@ class Engine:
         aborted (finish_reason ``abort``, pages freed) and ``serve`` returns normally."""
         t, rank = groups.world_size, groups.rank
         self.config, self.groups, self.settings = config, groups, settings
-        self.rank, self.world_size, self.page_size = rank, t, settings.page_size
+        self.rank, self.world_size, self.page_size = rank, t, settings.memory.page_size
         self.device = torch.device(settings.device)
         self.comm = Comm(groups.compute, rank, t, channel=groups.compute_channel, device=self.device)
         """The step's collectives (device tensors: NCCL on GPUs)."""
@@ -223,12 +155,10 @@ class Engine:
         self.control = Comm(groups.control, rank, t, self.comm.counter, channel=groups.control_channel,
                             name="control")
         """Host data on gloo: the driver's control message, the sampled tokens, measures."""
-        problem = placement_problem(settings.feed_forward, settings.return_routing, t)
+        problem = placement_problem(settings.parallel.feed_forward, settings.outputs.return_routing, t)
         if problem:
             raise ValueError(problem)
-        if settings.draft not in DRAFT_KINDS:
-            raise ValueError(f"draft: expected one of {DRAFT_KINDS}, got {settings.draft!r}")
-        drafts_mtp = settings.speculation != "off" and settings.draft == "mtp"
+        drafts_mtp = settings.draft == "mtp"
         if drafts_mtp and config.num_mtp_layers < 1:
             raise ValueError(f"draft='mtp': the model {config.name!r} declares no MTP module (num_mtp_layers=0); "
                              f"use draft='ngram'")
@@ -239,7 +169,7 @@ class Engine:
             mtp_module = (take_mtp_module(weights, self.device) if isinstance(weights, torch.nn.Module)
                           else empty_mtp_module(weights, config, settings.dtype, self.device))
         view = RankView(settings.layout, rank, t, config.num_heads)
-        share = RankShare(rank, t, view.head_slice, settings.feed_forward)
+        share = RankShare(rank, t, view.head_slice, settings.parallel.feed_forward)
         self._mtp_targets = mtp_targets(mtp_module) if mtp_module is not None else {}
         """Rank 0 drafting with the MTP module: its tensors by full name (what a load and a push write)."""
         placed = (rank_weights.adopt(weights, share, self.device, self.comm) if isinstance(weights, torch.nn.Module)
@@ -250,51 +180,50 @@ class Engine:
         """Unsharded parameter shapes and dtypes: what ``update_weights`` validates against (the MTP
         module's too when the engine drafts with it: a push carries it)."""
         num_pages = settings.initial_pages
-        pool = KVPool(KVPoolSpec.from_model(config), num_pages, settings.page_size, settings.dtype, self.device)
-        self.state = RankState(view, pool, get_backend(settings.attention_backend), shards, self.comm)
+        pool = KVPool(KVPoolSpec.from_model(config), num_pages, settings.memory.page_size, settings.dtype, self.device)
+        self.state = RankState(view, pool, get_backend(settings.compute.attention_backend), shards, self.comm)
         self.model = model
         self.runner = ModelRunner(model, EXECUTORS[settings.layout](self.state))
         self.mtp = (MTPDrafter(mtp_module, model.model.embed_tokens, model.model.norm, model.lm_head.weight)
                     if drafts_mtp else None)
         """Drafting with the MTP module: every rank's drafter (rank 0's computes, engine/mtp_drafter.py)."""
-        drafter = self.mtp if drafts_mtp else SuffixDrafter() if settings.speculation != "off" else None
-        self.scheduler = Scheduler(KVPlacement([num_pages] * t, settings.page_size, settings.layout),
-                                   settings.max_num_batched_tokens, settings.max_num_seqs,
-                                   ever_admits=self.can_ever_admit, admission=settings.admission,
-                                   prefix_sharing=settings.prefix_sharing, drafter=drafter,
-                                   prefix_cache=settings.prefix_cache and not settings.return_routing)
+        memory, batching, compute = settings.memory, settings.batching, settings.compute
+        drafter = self.mtp if drafts_mtp else SuffixDrafter() if settings.draft == "ngram" else None
+        self.scheduler = Scheduler(KVPlacement([num_pages] * t, memory.page_size, settings.layout),
+                                   batching.max_num_batched_tokens, batching.max_num_seqs,
+                                   ever_admits=self.can_ever_admit, admission=memory.admission_settings,
+                                   prefix_sharing=memory.prefix_sharing, drafter=drafter,
+                                   prefix_cache=memory.prefix_cache and not settings.outputs.return_routing)
         """This rank's replica: the same decisions on every rank."""
         self.gate = (SpeculationGate(lambda step: price_step(self.layout, step), self.scheduler.drafter.stats,
                                      draft_cost=self.mtp.cost if self.mtp is not None else None,
                                      draft_layer_share=1.0 / config.num_layers)
-                     if settings.speculation == "auto" and rank == 0 and price_step is not None else None)
+                     if compute.speculation == "auto" and rank == 0 and price_step is not None else None)
         """Rank 0 under ``speculation="auto"``: the draft cap of each step."""
-        self.block_table = BlockTable(settings.max_num_seqs, self.device)
+        self.block_table = BlockTable(batching.max_num_seqs, self.device)
         self.driver = LayoutDriver(policy if rank == 0 else None, settings.switch_schedule, settings.driver)
         self.heartbeat, self.should_abort = heartbeat, should_abort
         self.routing = (RoutingRecorder(sum(map(config.is_moe_layer, range(config.num_layers))),
-                                        config.num_experts_per_tok) if settings.return_routing and rank == 0 else None)
+                                        config.num_experts_per_tok) if settings.outputs.return_routing and rank == 0 else None)
         """Rank 0 with ``return_routing``: each request's routed experts, until its result takes them."""
         self.hooks = StepHooks(([RoutingCapture(self.routing, self.scheduler)] if self.routing is not None else [])
                                + ([CopyOnWrite(self.scheduler, lambda: self.state.pool, rank)]
-                                  if settings.prefix_sharing else []))
+                                  if memory.prefix_sharing else []))
         """Optional work around each step's forward (engine/step_hooks.py)."""
-        self.buckets, self.graphs = settings.decode_buckets, None
+        self.buckets, self.graphs = compute.decode_buckets, None
         """Decode buckets in use, and the CUDA graphs of decode steps (None: eager)."""
-        if settings.cuda_graphs not in CUDA_GRAPH_MODES:
-            raise ValueError(f"cuda_graphs: expected one of {CUDA_GRAPH_MODES}, got {settings.cuda_graphs!r}")
-        if settings.cuda_graphs == "on" and self.device.type != "cuda":
+        if compute.cuda_graphs == "on" and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs='on' needs a CUDA device; this engine runs on {self.device} (use 'auto')")
-        if settings.cuda_graphs != "off" and self.device.type == "cuda" and not settings.return_routing:
-            self.buckets = self.buckets or decode_buckets(settings.max_num_seqs)
+        if compute.cuda_graphs != "off" and self.device.type == "cuda" and not settings.outputs.return_routing:
+            self.buckets = self.buckets or decode_buckets(batching.max_num_seqs)
             self.graphs = DecodeGraphs(self.runner.hidden, self.block_table, pool, self.comm, self.control,
-                                       settings.page_size, self.buckets,
-                                       -(-settings.max_model_len // settings.page_size),
-                                       check=settings.cuda_graphs == "auto",
+                                       memory.page_size, self.buckets,
+                                       -(-settings.max_model_len // memory.page_size),
+                                       check=compute.cuda_graphs == "auto",
                                        reserve_bytes=settings.graph_reserve_bytes)
             self.graphs.capture_all(self.layout, self._graphable(self.layout))
         self.cpu_share = CpuShare(torch.get_num_threads(),
-                                  enabled=settings.cpu_share and t == 1 and self.device.type == "cpu")
+                                  enabled=compute.cpu_share and t == 1 and self.device.type == "cpu")
         """Threads per step (one CPU rank): fewer while other processes hold the cores."""
         self.window = TokenWindow.closed()
         """The token window the ranks are decoding (engine/token_window.py); one step outside one."""
@@ -313,7 +242,7 @@ class Engine:
 
     @classmethod
     def single(cls, weights: torch.nn.Module | WeightSource, config: ModelConfig,
-               settings: EngineSettings = EngineSettings(), **kwargs) -> "Engine":
+               settings: EngineSettings, **kwargs) -> "Engine":
         """One rank in this process (T = 1): the same engine, with collectives that are no-ops."""
         return cls(weights, config, ProcessGroups.single(), settings, **kwargs)
 
@@ -416,7 +345,7 @@ class Engine:
         cap = self._draft_cap()
         window = 1
         if switch is None and cap == 0 and self._windows_possible:
-            window = window_steps(self.settings.decode_window, self.scheduler,
+            window = window_steps(self.settings.parallel.decode_window, self.scheduler,
                                   None if max_steps is None else max_steps - steps,
                                   self.driver.quiet_steps(self.num_steps))
         drafts = ()
@@ -428,7 +357,7 @@ class Engine:
     def _windows_possible(self) -> bool:
         """Whether the current layout lets ranks decode a token window between exchanges: ranks that
         feed back only their own tokens, and no per-token record that follows every step on rank 0."""
-        return (self.world_size > 1 and self.settings.decode_window > 1 and self.runner.executor.inputs_stay_local
+        return (self.world_size > 1 and self.settings.parallel.decode_window > 1 and self.runner.executor.inputs_stay_local
                 and self.routing is None)
 
     def _draft_cap(self) -> int:

@@ -22,13 +22,13 @@ import torch
 
 from splash_rollout.distributed.groups import ProcessGroups
 from splash_rollout.engine.cuda_graphs import graph_reserve_bytes
-from splash_rollout.engine.rank_engine import Engine, EngineSettings, pages_per_rank
+from splash_rollout.engine.options import EngineSettings
+from splash_rollout.engine.rank_engine import Engine, pages_per_rank
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS, ModelConfig, resolve_model
 from splash_rollout.models.numerics import set_numerics
 from splash_rollout.models.weights import CheckpointSource, WeightSource, preset_source
 from splash_rollout.rollout.process_settings import apply_cpu_process_settings
-from splash_rollout.scheduling.admission import AdmissionSettings
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,8 +68,14 @@ def whole_model(config, model_config: ModelConfig | None = None):
     return MLAForCausalLM.from_config(model_config, seed=config.model.seed, dtype=dtype).eval()
 
 
-def engine_settings(config, model_config: ModelConfig, world_size: int) -> EngineSettings:
-    """An EngineConfig's serving settings on T ranks: the pools each layout gets from the budget."""
+def engine_settings(config, model_config: ModelConfig | None = None, world_size: int | None = None,
+                    device: str | None = None) -> EngineSettings:
+    """The one place an EngineSettings is made: ``config``'s engine groups as given, and what they
+    mean for ``model_config`` (default: ``config.served_model()``) on ``world_size`` ranks (default:
+    ``parallel.world_size``) -- the starting layout, the KV pages each layout gets from the budget,
+    where drafts come from -- with this rank's ``device`` (default: ``parallel.device``)."""
+    model_config = model_config or config.served_model()
+    world_size = world_size or config.parallel.world_size
     dtype = TORCH_DTYPES[config.model.dtype]
     auto = config.parallel.auto
     layout = Layout.DP if auto else Layout.parse(config.parallel.layout)  # auto starts where wide batches run well
@@ -87,21 +93,13 @@ def engine_settings(config, model_config: ModelConfig, world_size: int) -> Engin
                          f"the {layout} attention weights")
     schedule = {int(step): Layout.parse(l, "switch_schedule")
                 for step, l in (config.parallel.switch_schedule or {}).items()}
-    batching, memory = config.batching, config.memory
-    return EngineSettings(layout=layout, num_pages=num_pages, page_size=memory.page_size,
-                          max_num_batched_tokens=batching.max_num_batched_tokens, max_num_seqs=batching.max_num_seqs,
-                          attention_backend=config.compute.attention_backend, dtype=dtype,
-                          device=str(config.parallel.device),
+    return EngineSettings(parallel=config.parallel, memory=config.memory, batching=config.batching,
+                          compute=config.compute, outputs=config.outputs, driver=config.driver,
+                          layout=layout, num_pages=num_pages, dtype=dtype, max_model_len=max_len,
+                          device=str(device or config.parallel.device), draft=config.draft_source(model_config),
                           pages_by_layout=by_layout if world_size > 1 else None, switch_schedule=schedule,
                           reachable_layouts=tuple(Layout) if auto and world_size > 1 else (),
-                          admission=AdmissionSettings(mode=memory.admission), prefix_sharing=memory.prefix_sharing,
-                          prefix_cache=memory.prefix_cache,
-                          return_routing=config.outputs.return_routing,
-                          cpu_share=config.compute.cpu_share, driver=config.driver,
-                          speculation=config.compute.speculation,
-                          draft=config.draft_source(model_config) or "ngram", feed_forward=config.parallel.feed_forward,
-                          decode_window=config.parallel.decode_window, cuda_graphs=config.compute.cuda_graphs,
-                          graph_reserve_bytes=reserve, max_model_len=max_len)
+                          graph_reserve_bytes=reserve)
 
 
 def cuda_graphs_expected(config) -> bool:
@@ -140,7 +138,7 @@ def build_engine(config, groups: ProcessGroups, heartbeat=None, should_abort=Non
     model_config = config.served_model()
     device = rank_device(config, groups.rank)
     bind_device(device)
-    settings = dataclasses.replace(engine_settings(config, model_config, groups.world_size), device=device)
+    settings = engine_settings(config, model_config, groups.world_size, device)
     policy, price_step = None, None
     budget = int(config.memory.memory_budget_gib * 2**30)
     if config.parallel.auto and groups.rank == 0 and groups.world_size > 1:

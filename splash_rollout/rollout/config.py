@@ -5,13 +5,14 @@
                  memory={"memory_budget_gib": 0.5},          # a mapping of a group's fields works too
                  policy={"min_dwell_steps": 8})
 
-Groups (rollout/config_groups.py unless named): ``model`` (ModelOptions: source, dtype, seed,
-tokenizer, context limit), ``parallel`` (ranks, layout, device, timeouts, scheduled switches),
-``memory`` (KV pool, page size, admission, prefix sharing), ``batching`` (per-step and per-call
-bounds), ``policy`` (the layout rules' knobs, scheduling.policy.PolicyConfig), ``driver`` (when the
-policy is consulted, engine.layout_driver.DriverConfig), ``pricing`` (cost profile, online
-correction), ``compute`` (attention backend, numerics, speculation, threads), ``outputs`` (progress,
-routing). Each group is validated when it is built; a group given as a mapping is refused naming the
+Each group lives beside what reads it: ``model`` (rollout/model_options.py ModelOptions: source,
+dtype, seed, tokenizer, context limit; read by the builder), ``parallel`` (ranks, layout, device,
+timeouts, scheduled switches), ``memory`` (KV pool, page size, admission, prefix sharing),
+``batching`` (per-step and per-call bounds), ``compute`` (attention backend, numerics, speculation,
+threads, graphs) and ``outputs`` (progress, routing) -- the engine's, engine/options.py --,
+``policy`` (the layout rules' knobs, scheduling/policy.py PolicyConfig), ``driver`` (when the policy
+is consulted, engine/layout_driver.py DriverConfig), ``pricing`` (cost profile, online correction,
+scheduling/pricing_options.py). Each group is validated when it is built; a group given as a mapping is refused naming the
 unknown or bad field (``memory.page_size: expected >= 1``). ``model`` also takes a preset name, a
 checkpoint folder or a ModelConfig directly.
 
@@ -29,8 +30,10 @@ from typing import Any, Mapping
 from splash_rollout.config_fields import from_mapping
 from splash_rollout.engine.layout_driver import DriverConfig
 from splash_rollout.models.config import ModelConfig
-from splash_rollout.rollout.config_groups import (BatchingOptions, ComputeOptions, MemoryOptions, ModelOptions,
-                                                  OutputOptions, ParallelOptions, PricingOptions)
+from splash_rollout.engine.options import (BatchingOptions, ComputeOptions, MemoryOptions, OutputOptions,
+                                           ParallelOptions)
+from splash_rollout.rollout.model_options import ModelOptions
+from splash_rollout.scheduling.pricing_options import PricingOptions
 from splash_rollout.scheduling.policy import PolicyConfig
 
 GROUPS: dict[str, type] = {"model": ModelOptions, "parallel": ParallelOptions, "memory": MemoryOptions,

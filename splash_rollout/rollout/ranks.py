@@ -243,7 +243,7 @@ def worker_serve_async(ctx, records: list[RequestRecord], abort_ids: list[int], 
         ctx.state["decisions_seen"] = 0
     arrived = [r.request() for r in records]
     fits = [engine.can_ever_admit(q) for q in arrived]  # the same answer on every rank
-    refused = [(q.request_id, q.pages_needed(engine.settings.page_size)) for q, ok in zip(arrived, fits) if not ok]
+    refused = [(q.request_id, q.pages_needed(engine.page_size)) for q, ok in zip(arrived, fits) if not ok]
     finished = engine.serve([q for q, ok in zip(arrived, fits) if ok], max_steps=max_steps, new_call=fresh)
     if ctx.rank != 0:
         return None

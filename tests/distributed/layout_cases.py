@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 
 from splash_rollout.scheduling.admission import AdmissionSettings
-from splash_rollout.engine.rank_engine import Engine, EngineSettings, pages_per_rank
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.engine.request_scheduler import Scheduler
-from splash_rollout.layout import Layout
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
 
@@ -46,25 +47,26 @@ def outputs(finished: list[Request]) -> dict[int, tuple[list[int], list[float]]]
 def single_rank(model: str, temperature: float = 0.0) -> dict:
     cfg = MODELS[model]
     engine = Engine.single(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg,
-                           EngineSettings(num_pages=512, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET))
+                           engine_settings(EngineConfig(model=cfg, memory=dict(num_pages=512, page_size=PAGE_SIZE),
+                                                        batching=dict(max_num_batched_tokens=TOKEN_BUDGET),
+                                                        compute=dict(speculation="off"))))
     return outputs(engine.serve(make_requests(model, temperature=temperature)))
 
 
 def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budget_bytes: int | None = None,
                        switch_schedule: dict[int, str] | None = None, attention_backend: str = "torch",
-                       admission: AdmissionSettings = AdmissionSettings(), prefix_cache: bool = True):
+                       memory: dict | None = None):
+    """Every rank: an engine of ``model`` in ``layout`` over the group; a memory budget of
+    ``budget_bytes`` per rank (pages per layout) or ``num_pages``; ``memory``: more memory fields."""
     cfg = MODELS[model]
     torch.set_flush_denormal(True)
-    lay = Layout.parse(layout)
-    by_layout = None
-    if budget_bytes is not None:
-        by_layout = {l: pages_per_rank(cfg, l, ctx.world_size, budget_bytes, PAGE_SIZE, torch.float32) for l in Layout}
-        num_pages = by_layout[lay]
-    schedule = {step: Layout.parse(l) for step, l in (switch_schedule or {}).items()}
-    settings = EngineSettings(layout=lay, num_pages=num_pages, page_size=PAGE_SIZE, max_num_batched_tokens=TOKEN_BUDGET,
-                              max_num_seqs=64, pages_by_layout=by_layout, switch_schedule=schedule,
-                              attention_backend=attention_backend, admission=admission, prefix_cache=prefix_cache)
-    return Engine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, ctx.groups, settings)
+    pool = ({"memory_budget_gib": budget_bytes / 2**30} if budget_bytes is not None else {"num_pages": num_pages})
+    config = EngineConfig(model=cfg, parallel=dict(world_size=ctx.world_size, layout=layout,
+                                                   switch_schedule=switch_schedule),
+                          memory=dict(page_size=PAGE_SIZE, **pool, **(memory or {})),
+                          batching=dict(max_num_batched_tokens=TOKEN_BUDGET, max_num_seqs=64),
+                          compute=dict(attention_backend=attention_backend, speculation="off"))
+    return Engine(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, ctx.groups, engine_settings(config))
 
 
 def run_layout(ctx, model: str, layout: str, temperature: float = 0.0, attention_backend: str = "torch"):

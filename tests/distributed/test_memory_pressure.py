@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from splash_rollout.scheduling.admission import AdmissionSettings
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.models.numerics import numerics_mode, set_numerics
@@ -17,7 +18,7 @@ from tests.distributed.layout_cases import MODELS, PAGE_SIZE, build_group_engine
 MODEL = "glm5-nano"
 NUM_PAGES = 11
 """Per rank: 88 tokens; the longest request (40 + 26 tokens) needs 9 pages."""
-ADMISSION = AdmissionSettings(init_ratio=0.2, min_ratio=0.05)
+ADMISSION = {"init_growth_ratio": 0.2, "min_growth_ratio": 0.05}
 """Bold admission: running requests outgrow what was expected of them, so steps retract."""
 
 
@@ -51,7 +52,7 @@ def pressured_serve(ctx, groups, temperature: float, switches: list[tuple[int, s
             # the cache is prefilled from where it ends, which can move a logprob by one float32 ulp
             # (tests/unit/test_prefix_cache.py, test_reliability.py and test_serve.py cover the cache)
             engine = ctx.state["pressured"] = build_group_engine(ctx, MODEL, "dp", num_pages=NUM_PAGES,
-                                                                 admission=ADMISSION, prefix_cache=False)
+                                                                 memory=dict(ADMISSION, prefix_cache=False))
         finished = []
         pending = make_requests(groups, temperature)
         for steps, layout in switches:
@@ -77,9 +78,9 @@ def oracle(groups, temperature: float):
     set_numerics("reproducible")
     try:
         cfg = MODELS[MODEL]
-        engine = Engine.single(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, EngineSettings(
-            num_pages=512, page_size=PAGE_SIZE, max_num_batched_tokens=96,
-            admission=AdmissionSettings(mode="worst_case"), prefix_sharing=False))
+        engine = Engine.single(MLAForCausalLM.from_config(cfg, seed=3).eval(), cfg, engine_settings(EngineConfig(
+            model=cfg, memory=dict(num_pages=512, page_size=PAGE_SIZE, admission="worst_case", prefix_sharing=False),
+            batching=dict(max_num_batched_tokens=96), compute=dict(speculation="off"))))
         return _outputs(engine.serve(make_requests(groups, temperature)))
     finally:
         set_numerics(before)

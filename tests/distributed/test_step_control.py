@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.step_overhead import admit_as_decoding, warm_requests
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.engine.request import Request, SamplingSpec
-from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.models.numerics import numerics
@@ -21,12 +22,20 @@ CFG = PRESETS["glm5-nano"].replace(name="ctl", num_layers=1, indexer_types=("ful
                                    qk_rope_head_dim=8, index_head_dim=8, max_position_embeddings=16384)
 
 
+def _dp_settings(ctx, pages: int, rows: int, seqs: int, decode_window: int = 8):
+    """DP-attention over the group: ``pages`` per rank, ``rows`` per step, ``seqs`` running at most."""
+    return engine_settings(EngineConfig(model=CFG, parallel=dict(world_size=ctx.world_size, layout="dp",
+                                                                 decode_window=decode_window),
+                                        memory=dict(num_pages=pages, page_size=PAGE),
+                                        batching=dict(max_num_batched_tokens=rows, max_num_seqs=seqs),
+                                        compute=dict(speculation="off")))
+
+
 def decode_steps(ctx, batch: int, context: int, switch_to: str | None = None) -> list[dict] | None:
     """Every rank: ``batch`` requests put straight into decode at ``context`` tokens, then 3 steps in
     DP-attention (a switch to ``switch_to`` requested before the third). Rank 0: the step log."""
     pages = -(-batch // ctx.world_size) * (-(-(context + 16) // PAGE)) + batch
-    settings = EngineSettings(layout=Layout.DP, num_pages=pages, page_size=PAGE, max_num_batched_tokens=batch,
-                              max_num_seqs=batch, decode_window=1)  # a message before every step
+    settings = _dp_settings(ctx, pages, batch, batch, decode_window=1)  # a message before every step
     engine = Engine(MLAForCausalLM.from_config(CFG, seed=0).eval(), CFG, ctx.groups, settings)
     admit_as_decoding(engine.scheduler, warm_requests(CFG, batch, context))
     engine.serve([], max_steps=2)
@@ -53,8 +62,7 @@ def test_control_bytes_do_not_grow_with_context(group2):
 
 def diverging_step(ctx) -> str | None:
     """Every rank: one decode step of 8 requests, rank 1's replica with a smaller row budget."""
-    settings = EngineSettings(layout=Layout.DP, num_pages=64, page_size=PAGE, max_num_batched_tokens=8,
-                              max_num_seqs=8)
+    settings = _dp_settings(ctx, 64, 8, 8)
     engine = Engine(MLAForCausalLM.from_config(CFG, seed=0).eval(), CFG, ctx.groups, settings)
     admit_as_decoding(engine.scheduler, warm_requests(CFG, 8, 32))
     if ctx.rank == 1:
@@ -85,8 +93,7 @@ def windowed_run(ctx, window: int):
     """Every rank: DP-attention serves ``stopping_requests`` with token windows of at most ``window``
     steps (reproducible numerics: a row's result does not depend on the batch). Rank 0: the outputs,
     the finish reasons, the steps that carried a control message, and the pages left in use."""
-    settings = EngineSettings(layout=Layout.DP, num_pages=128, page_size=PAGE, max_num_batched_tokens=96,
-                              max_num_seqs=16, decode_window=window)
+    settings = _dp_settings(ctx, 128, 96, 16, decode_window=window)
     with numerics("reproducible"):
         engine = Engine(MLAForCausalLM.from_config(CFG, seed=0).eval(), CFG, ctx.groups, settings)
         finished = engine.serve(stopping_requests())

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from splash_rollout.distributed.collectives import CollectiveDeviceError, Comm
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
 
@@ -31,6 +33,6 @@ def test_another_gpu_than_the_groups_is_refused_too():
 
 def test_an_engines_groups_carry_its_device():
     cfg = PRESETS["glm5-nano"]
-    engine = Engine.single(MLAForCausalLM.from_config(cfg, seed=0), cfg, EngineSettings(num_pages=8))
+    engine = Engine.single(MLAForCausalLM.from_config(cfg, seed=0), cfg, engine_settings(EngineConfig(model=cfg, memory=dict(num_pages=8), compute=dict(speculation="off"))))
     assert engine.comm.device == engine.transfer.device == engine.device
     assert engine.control.device == torch.device("cpu") and engine.control.name == "control"

@@ -15,7 +15,8 @@ import torch
 from splash_rollout import EngineConfig
 from splash_rollout.engine import cuda_graphs
 from splash_rollout.engine.cuda_graphs import DecodeGraphs, GraphKey, decode_buckets, width_buckets
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.layout import Layout
 from splash_rollout.models.config import PRESETS
@@ -34,12 +35,14 @@ def _requests(count: int, new_tokens: int = 6) -> list[Request]:
 
 
 def _engine(graphs: bool, check: bool = True) -> Engine:
-    settings = EngineSettings(num_pages=64, page_size=16, attention_backend="torch", speculation="off",
-                              cpu_share=False, decode_buckets=BUCKETS if graphs else (), max_model_len=MAX_LEN)
+    settings = engine_settings(EngineConfig(model=dict(source=CFG, max_model_len=MAX_LEN),
+                                            memory=dict(num_pages=64, page_size=16),
+                                            compute=dict(attention_backend="torch", speculation="off", cpu_share=False,
+                                                         decode_buckets=BUCKETS if graphs else ())))
     engine = Engine.single(MLAForCausalLM.from_config(CFG, seed=2), CFG, settings)
     if graphs:
         engine.graphs = DecodeGraphs(engine.runner.hidden, engine.block_table, engine.state.pool, engine.comm,
-                                     engine.control, settings.page_size, engine.buckets, MAX_LEN // 16, check=check,
+                                     engine.control, settings.memory.page_size, engine.buckets, MAX_LEN // 16, check=check,
                                      reserve_bytes=0, capture="eager")
         engine.graphs.capture_all(engine.layout, engine._graphable(engine.layout))
     return engine
@@ -92,8 +95,8 @@ def test_a_first_replay_that_differs_turns_graphs_off_and_the_step_keeps_the_eag
 def test_cuda_graphs_on_is_refused_off_cuda():
     with pytest.raises(ValueError, match="cuda_graphs='on' needs parallel.device='cuda'"):
         EngineConfig(compute={"cuda_graphs": "on"})
-    with pytest.raises(ValueError, match="cuda_graphs='on' needs a CUDA device"):
-        Engine.single(MLAForCausalLM.from_config(CFG, seed=0), CFG, EngineSettings(num_pages=8, cuda_graphs="on"))
-    engine = Engine.single(MLAForCausalLM.from_config(CFG, seed=0), CFG, EngineSettings(num_pages=8, cuda_graphs="auto"))
+    auto = engine_settings(EngineConfig(model=CFG, memory=dict(num_pages=8),
+                                        compute=dict(cuda_graphs="auto", speculation="off")))
+    engine = Engine.single(MLAForCausalLM.from_config(CFG, seed=0), CFG, auto)
     assert engine.graphs is None and engine.buckets == ()  # auto: nothing changes on the CPU
     assert engine.memory_stats()["cuda_graphs"] == 0

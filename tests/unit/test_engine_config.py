@@ -3,6 +3,7 @@ the flat names of earlier releases, and the recipe's Hydra engine group reaching
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from splash_rollout.engine.layout_driver import DriverConfig
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.rollout.config import FLAT_NAMES, GROUPS, EngineConfig
-from splash_rollout.rollout.config_groups import MemoryOptions, ModelOptions, ParallelOptions
+from splash_rollout.engine.options import MemoryOptions, ParallelOptions
+from splash_rollout.rollout.model_options import ModelOptions
 from splash_rollout.scheduling.policy import PolicyConfig
 
 
@@ -94,3 +96,28 @@ def test_the_heap_settings_are_taken_by_this_machines_malloc():
 
     assert retain_heap()
     assert dict(HEAP_SETTINGS)[-3] <= 32 << 20
+
+
+def test_the_hydra_engine_tree_is_made_from_the_groups_and_restates_no_default():
+    """Every field of every group is settable on the command line (the node ``engine/fields`` is made
+    from the dataclasses), a misspelt one is refused, and ``conf/engine/default.yaml`` holds only
+    values that differ from the engine's own defaults."""
+
+    import yaml
+    from hydra.errors import ConfigCompositionException
+
+    from splash_rollout.recipes.engine_config import FROM_OTHER_GROUPS, engine_fields
+    from splash_rollout.run import CONF_DIR, compose_config
+
+    fields = engine_fields()
+    for name, cls in GROUPS.items():
+        assert set(fields[name]) == {f.name for f in dataclasses.fields(cls)} - set(FROM_OTHER_GROUPS.get(name, ()))
+    cfg = compose_config(["engine.memory.init_growth_ratio=0.3", "engine.compute.pack_weights=false"])
+    assert cfg.engine.memory.init_growth_ratio == 0.3 and cfg.engine.compute.pack_weights is False
+    with pytest.raises(ConfigCompositionException, match="cpu_shares"):
+        compose_config(["engine.compute.cpu_shares=false"])
+    with open(os.path.join(CONF_DIR, "engine", "default.yaml")) as f:
+        chosen = yaml.safe_load(f)
+    for group in GROUPS:
+        for name, value in (chosen.get(group) or {}).items():
+            assert value != fields[group][name], f"default.yaml restates engine.{group}.{name}: {value!r}"

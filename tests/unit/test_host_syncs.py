@@ -16,7 +16,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels r
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from splash_rollout.engine.rank_engine import Engine, EngineSettings  # noqa: E402
+from splash_rollout.engine.rank_engine import Engine  # noqa: E402
+from splash_rollout.rollout.build import engine_settings  # noqa: E402
+from splash_rollout.rollout.config import EngineConfig  # noqa: E402
 from splash_rollout.engine.host_syncs import HostSyncs  # noqa: E402
 from splash_rollout.engine.request import Request, SamplingSpec  # noqa: E402
 from splash_rollout.models.config import PRESETS  # noqa: E402
@@ -34,8 +36,9 @@ def _requests(count: int, new_tokens: int = 4, start: int = 0) -> list[Request]:
 
 def _engine(backend: str, buckets: tuple[int, ...] = ()) -> Engine:
     return Engine.single(MLAForCausalLM.from_config(CFG, seed=1), CFG,
-                         EngineSettings(num_pages=64, page_size=16, attention_backend=backend, decode_buckets=buckets,
-                                        speculation="off", cpu_share=False))
+                         engine_settings(EngineConfig(model=CFG, memory=dict(num_pages=64, page_size=16),
+                                                      compute=dict(attention_backend=backend, decode_buckets=buckets,
+                                                                   speculation="off", cpu_share=False))))
 
 
 class StepCounter:

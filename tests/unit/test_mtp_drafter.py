@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splash_rollout import EngineConfig, RolloutEngine, SamplingParams
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import resolve_model
 from splash_rollout.models.model import MLAForCausalLM
@@ -65,14 +66,20 @@ def _reference(model: MLAForCausalLM, tokens: list[int], chain: int) -> tuple[to
     return first, drafts
 
 
+def _settings(config, max_num_batched_tokens: int = 512):
+    """Drafting with the module on one rank: 64 pages of 4 tokens."""
+    return engine_settings(EngineConfig(model=config, memory=dict(num_pages=64, page_size=4),
+                                        batching=dict(max_num_batched_tokens=max_num_batched_tokens),
+                                        compute=dict(speculation="always", draft="mtp")))
+
+
 def test_the_drafts_are_the_modules_of_the_published_equations():
     config = resolve_model("glm5-nano")
     model = MLAForCausalLM.from_config(config, seed=3)
     reference = MLAForCausalLM.from_config(config, seed=3)
     torch.manual_seed(0)
     prompt = torch.randint(3, 500, (90,)).tolist()  # longer than the indexer's top-64: DSA selects
-    engine = Engine.single(model, config, EngineSettings(num_pages=64, page_size=4, max_num_batched_tokens=32,
-                                                          speculation="always", draft="mtp"))
+    engine = Engine.single(model, config, _settings(config, max_num_batched_tokens=32))
     req = Request(0, prompt, SamplingSpec(temperature=0.0, max_new_tokens=12, ignore_eos=True), max_len=128)
     engine.serve([req], max_steps=6)  # three prefill chunks, then drafted decode steps
     tokens = req.token_ids
@@ -89,7 +96,7 @@ def test_a_mirrored_module_drafts_tokens_that_are_kept():
     config = resolve_model("glm5-nano")
     model = MLAForCausalLM.from_config(config, seed=0)
     model.load_state_dict(mirror_mtp(model), strict=False)
-    engine = Engine.single(model, config, EngineSettings(num_pages=64, page_size=4, speculation="always", draft="mtp"))
+    engine = Engine.single(model, config, _settings(config))
     reqs = [Request(i, [3, 4, 5, 6, 7, 8, 9, 3, 4], SamplingSpec(temperature=0.0, max_new_tokens=24, ignore_eos=True),
                     max_len=64) for i in range(2)]
     engine.serve(reqs)
@@ -100,10 +107,11 @@ def test_a_mirrored_module_drafts_tokens_that_are_kept():
 def test_draft_mtp_without_a_module_is_refused():
     with pytest.raises(ValueError, match="compute.draft='mtp'"):
         EngineConfig(model="kimi-k2", speculation="always", draft="mtp")
-    config = resolve_model("glm5-nano").replace(num_mtp_layers=0)
+    config = resolve_model("glm5-nano").replace(num_mtp_layers=0)  # a model handed in without the module
     with pytest.raises(ValueError, match="draft='mtp'"):
         Engine.single(MLAForCausalLM.from_config(config, seed=0), config,
-                      EngineSettings(num_pages=8, speculation="always", draft="mtp"))
+                      engine_settings(EngineConfig(compute=dict(speculation="always", draft="mtp"),
+                                                   memory=dict(num_pages=8)), config))
     with pytest.raises(ValueError, match="draft: expected one of"):
         EngineConfig(model="glm5-nano", draft="eagle")
 

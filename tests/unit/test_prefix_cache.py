@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.engine.page_manager import PageManager
 from splash_rollout.engine.prefix_cache import PrefixCache
 from splash_rollout.engine.request import Request, SamplingSpec
@@ -21,8 +23,10 @@ PAGE = 8
 
 def _engine(cache: bool, pages: int = 64) -> Engine:
     return Engine.single(MLAForCausalLM.from_config(CFG, seed=5), CFG,
-                         EngineSettings(num_pages=pages, page_size=PAGE, attention_backend="torch", speculation="off",
-                                        cpu_share=False, prefix_cache=cache))
+                         engine_settings(EngineConfig(model=CFG, memory=dict(num_pages=pages, page_size=PAGE,
+                                                                          prefix_cache=cache),
+                                                      compute=dict(attention_backend="torch", speculation="off",
+                                                                   cpu_share=False))))
 
 
 def _request(rid: int, prompt: list[int], new: int = 6, seed: int = 0) -> Request:

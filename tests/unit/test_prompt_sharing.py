@@ -8,7 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from splash_rollout.scheduling.admission import AdmissionSettings
-from splash_rollout.engine.rank_engine import Engine, EngineSettings
+from splash_rollout.engine.rank_engine import Engine
+from splash_rollout.rollout.build import engine_settings
+from splash_rollout.rollout.config import EngineConfig
 from splash_rollout.engine.request import Request, SamplingSpec
 from splash_rollout.models.config import PRESETS
 from splash_rollout.models.model import MLAForCausalLM
@@ -27,12 +29,14 @@ def model_state():
     set_numerics(before)
 
 
-def _engine(state, **kw) -> Engine:
+def _engine(state, max_num_batched_tokens: int = 64, **memory) -> Engine:
+    """One rank, 64 requests at most, speculation off; ``memory``: memory fields over 512 pages of PAGE."""
     model = MLAForCausalLM.from_config(CFG, seed=3).eval()
     model.load_state_dict(state)
-    settings = dict(num_pages=512, page_size=PAGE, max_num_batched_tokens=64, max_num_seqs=64)
-    settings.update(kw)
-    return Engine.single(model, CFG, EngineSettings(**settings))
+    config = EngineConfig(model=CFG, memory=dict(dict(num_pages=512, page_size=PAGE), **memory),
+                          batching=dict(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=64),
+                          compute=dict(speculation="off"))
+    return Engine.single(model, CFG, engine_settings(config))
 
 
 def _requests(groups, temperature: float) -> list[Request]:
@@ -58,7 +62,7 @@ def _assert_nothing_held(engine: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def oracle_engine(model_state):
-    return _engine(model_state, admission=AdmissionSettings(mode="worst_case"), prefix_sharing=False)
+    return _engine(model_state, admission="worst_case", prefix_sharing=False)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +111,7 @@ def test_a_group_holds_its_prompt_pages_once(model_state):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_retracted_samples_continue_as_if_never_retracted(model_state, oracle_engine, temperature):
     engine = _engine(model_state, num_pages=10, max_num_batched_tokens=48,
-                     admission=AdmissionSettings(init_ratio=0.1, min_ratio=0.05))
+                     init_growth_ratio=0.1, min_growth_ratio=0.05)
     groups = [(12, 1, 40), (12, 1, 40), (12, 2, 40)]
     finished = engine.serve(_requests(groups, temperature))
     assert _outputs(finished) == _outputs(oracle_engine.serve(_requests(groups, temperature)))
@@ -118,7 +122,7 @@ def test_retracted_samples_continue_as_if_never_retracted(model_state, oracle_en
 
 def test_worst_case_admission_never_retracts(model_state):
     engine = _engine(model_state, num_pages=10, max_num_batched_tokens=48,
-                     admission=AdmissionSettings(mode="worst_case"))
+                     admission="worst_case")
     finished = engine.serve(_requests([(12, 1, 40), (12, 1, 40), (12, 1, 40)], 0.0))
     assert len(finished) == 3 and sum(s.retracted for s in engine.step_log) == 0
     assert max(s.running for s in engine.step_log) == 1  # 52 tokens = 7 of 10 pages each
@@ -130,3 +134,5 @@ def test_bad_admission_settings_name_the_field():
         AdmissionSettings(mode="greedy")
     with pytest.raises(ValueError, match="min_ratio"):
         AdmissionSettings(init_ratio=0.1, min_ratio=0.5)
+    with pytest.raises(ValueError, match="memory.init_growth_ratio: expected 0 <= min_growth_ratio"):
+        EngineConfig(memory={"init_growth_ratio": 0.1, "min_growth_ratio": 0.5})

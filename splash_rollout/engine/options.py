@@ -1,66 +1,30 @@
-"""The groups of EngineConfig: one frozen dataclass per concern, each field documented and checked here.
+"""The engine's options, each group beside the engine that reads it, and the one object it is built from.
 
-``EngineConfig`` (rollout/config.py) holds one of each: ``model``, ``parallel``, ``memory``,
-``batching``, ``pricing``, ``compute``, ``outputs``, beside the layout policy's own ``policy``
-(``scheduling.policy.PolicyConfig``) and ``driver`` (``engine.layout_driver.DriverConfig``). A check
-that needs two groups (FlashMLA's page size and dtype) is EngineConfig's.
+``EngineConfig`` (rollout/config.py) holds one of each group, as the user wrote it: ``parallel``
+(ranks, layout, device), ``memory`` (KV pool, admission, prefix sharing), ``batching`` (per-step
+and per-call bounds), ``compute`` (kernels, numerics, speculation, threads, graphs) and ``outputs``
+(progress, routing); each field is documented and checked here, once. ``EngineSettings`` is what an
+engine is built from: those groups as given, plus what ``rollout.build.engine_settings`` derives from
+them for one model on T ranks (the starting layout, KV pages per layout, the resolved draft source).
+The engine reads a knob from its group (``settings.compute.speculation``); adding an option is a
+field here and the line that reads it.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from splash_rollout.models.config import ModelConfig
+import torch
+
+from splash_rollout.config_fields import is_int
+from splash_rollout.engine.layout_driver import DriverConfig
+from splash_rollout.layout.layouts import Layout
 from splash_rollout.models.numerics import NUMERICS_MODES
 
-DTYPES = ("float32", "bfloat16", "float16")
 SPECULATION_MODES = ("off", "always", "auto")
 DRAFT_SOURCES = ("auto", "mtp", "ngram")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """Which model, in which dtype, from which seed."""
-
-    source: str | os.PathLike | ModelConfig = "glm5-nano"
-    """Preset name (random init), HF checkpoint folder, or a ModelConfig (random init)."""
-    dtype: str = "float32"
-    """Model and KV-cache dtype: float32, bfloat16 or float16."""
-    seed: int = 0
-    """Seeds the random init of presets (same seed, same weights) and the default sampling seeds."""
-    tokenizer: str | None = None
-    """Tokenizer name or path for string prompts; None: the model's (checkpoint folder or preset)."""
-    max_model_len: int | None = None
-    """Context limit (prompt + response); None: the model's max_position_embeddings. A prompt must be
-    shorter; a response stops at the limit with finish_reason ``length`` (``max_new_tokens`` is capped
-    by what the context leaves, never refused)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.source, (str, os.PathLike, ModelConfig)):
-            raise ValueError(f"source: expected a preset name, a checkpoint folder or a ModelConfig, "
-                             f"got {type(self.source).__name__}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
-        if not _is_int(self.seed):
-            raise ValueError(f"seed: expected an integer, got {self.seed!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
-
-    def context_limit(self, model_config: ModelConfig) -> int:
-        """Prompt + response tokens a request may hold: ``max_model_len``, never above the model's
-        ``max_position_embeddings``."""
-        return min(self.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
-
-    def tokenizer_source(self) -> str:
-        """Where string prompts' tokenizer comes from: ``tokenizer``, else the checkpoint folder or preset."""
-        if self.tokenizer is not None:
-            return os.fspath(self.tokenizer)
-        return self.source.name if isinstance(self.source, ModelConfig) else os.fspath(self.source)
+"""``compute.draft``: what a user may ask for (``auto`` resolves to one of the others)."""
+DRAFT_KINDS = ("ngram", "mtp")
+"""``EngineSettings.draft``: where an engine's drafts come from."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +61,13 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         from splash_rollout.layout import FEED_FORWARD_PLACEMENTS, Layout
 
-        if not _is_int(self.world_size) or self.world_size < 1:
+        if not is_int(self.world_size) or self.world_size < 1:
             raise ValueError(f"world_size: expected >= 1, got {self.world_size!r}")
         if str(self.layout).lower() != "auto":
             Layout.parse(self.layout, "layout")
         if self.feed_forward not in FEED_FORWARD_PLACEMENTS:
             raise ValueError(f"feed_forward: expected one of {FEED_FORWARD_PLACEMENTS}, got {self.feed_forward!r}")
-        if not _is_int(self.decode_window) or self.decode_window < 1:
+        if not is_int(self.decode_window) or self.decode_window < 1:
             raise ValueError(f"decode_window: expected a positive integer, got {self.decode_window!r}")
         if not self.rank_timeout_s > 0:
             raise ValueError(f"rank_timeout_s: expected > 0 seconds, got {self.rank_timeout_s}")
@@ -133,6 +97,13 @@ class MemoryOptions:
     while memory holds, scheduling/admission.py) and, when a step runs out of KV pages, retract the
     youngest requests (tokens kept; they re-prefill later and continue exactly). ``worst_case``:
     every request holds its whole cap (prompt + max_new_tokens) from admission; never retracts."""
+    init_growth_ratio: float = 0.7
+    """``optimistic`` admission: the share of each running request's remaining cap (max_new_tokens
+    left) it expects the request to still write, at first; the share decays toward
+    ``min_growth_ratio`` while memory holds and climbs back after a retraction. Lower admits more
+    requests at once and retracts more often."""
+    min_growth_ratio: float = 0.1
+    """The floor of that expected share."""
     prefix_sharing: bool = True
     """The samples of a prompt (``n`` > 1) share its KV pages and prefill it once."""
     prefix_cache: bool = True
@@ -153,9 +124,20 @@ class MemoryOptions:
             raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")
+        if not 0.0 <= self.min_growth_ratio <= self.init_growth_ratio <= 1.0:
+            raise ValueError(f"init_growth_ratio: expected 0 <= min_growth_ratio <= init_growth_ratio <= 1, got "
+                             f"min_growth_ratio={self.min_growth_ratio}, init_growth_ratio={self.init_growth_ratio}")
         for name in ("prefix_sharing", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+
+    @property
+    def admission_settings(self):
+        """What the request scheduler's admission reads (scheduling/admission.py)."""
+        from splash_rollout.scheduling.admission import AdmissionSettings
+
+        return AdmissionSettings(mode=self.admission, init_ratio=self.init_growth_ratio,
+                                 min_ratio=self.min_growth_ratio)
 
 
 @dataclass(frozen=True)
@@ -179,28 +161,10 @@ class BatchingOptions:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected >= 1, got {self.max_num_seqs}")
-        if not _is_int(self.poll_steps) or self.poll_steps < 1:
+        if not is_int(self.poll_steps) or self.poll_steps < 1:
             raise ValueError(f"poll_steps: expected an integer >= 1, got {self.poll_steps!r}")
-        if not _is_int(self.max_queued_requests) or self.max_queued_requests < 1:
+        if not is_int(self.max_queued_requests) or self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests: expected an integer >= 1, got {self.max_queued_requests!r}")
-
-
-@dataclass(frozen=True)
-class PricingOptions:
-    """The step times ``layout="auto"`` and ``speculation="auto"`` price their choices with."""
-
-    profile: str = "cpu"
-    """Hardware profile: a preset (cpu, h100, h200, b200, ...) or a YAML file (scheduling/profile.py);
-    its rates are used, the engine's own pools replace its memory."""
-    online_correction: bool = True
-    """Correct the profile's step times online from the steps this machine measures (shared
-    per-stage-group factors, then per-layout and per-step-shape factors, each shrunk toward the
-    profile until observations outweigh it; scheduling/online.py). The factors are in every timeline
-    decision (``correction``). False: price with the profile as it is."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.online_correction, bool):
-            raise ValueError(f"online_correction: expected True or False, got {self.online_correction!r}")
 
 
 @dataclass(frozen=True)
@@ -271,6 +235,12 @@ class ComputeOptions:
     ``off``: eager. The graphs' memory comes out of ``memory.memory_budget_gib``. Nothing changes on
     the CPU."""
 
+    decode_buckets: tuple[int, ...] = ()
+    """Request counts a plain decode step is padded up to (its key width padded to a power of two of
+    pages), so every step of a bucket runs the same shapes -- what CUDA graphs replay. Empty (default):
+    no padding where graphs are off (on the CPU padded rows would cost compute), the graphs' own
+    buckets where they are on."""
+
     def __post_init__(self) -> None:
         from splash_rollout.engine.attention import available_backends
         from splash_rollout.engine.cuda_graphs import CUDA_GRAPH_MODES
@@ -286,6 +256,10 @@ class ComputeOptions:
             raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
         if self.draft not in DRAFT_SOURCES:
             raise ValueError(f"draft: expected one of {DRAFT_SOURCES}, got {self.draft!r}")
+        buckets = tuple(self.decode_buckets)
+        if not all(is_int(b) and b >= 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"decode_buckets: expected increasing positive integers, got {self.decode_buckets!r}")
+        object.__setattr__(self, "decode_buckets", buckets)  # a YAML list becomes the tuple
         for name in ("cpu_share", "flush_denormal", "retain_heap", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
@@ -309,3 +283,49 @@ class OutputOptions:
             raise ValueError(f"progress: expected None, True or False, got {self.progress!r}")
         if not isinstance(self.return_routing, bool):
             raise TypeError(f"return_routing: expected a bool, got {type(self.return_routing).__name__}")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One engine's options: the groups it reads, as configured, and what the builder derived from them
+    for this model on these ranks. ``rollout.build.engine_settings`` makes it; nothing else does."""
+
+    parallel: ParallelOptions
+    memory: MemoryOptions
+    batching: BatchingOptions
+    compute: ComputeOptions
+    outputs: OutputOptions
+    driver: DriverConfig
+    layout: Layout
+    """The layout the engine starts in (``parallel.layout``; DP-attention under ``auto``)."""
+    num_pages: int
+    """KV pages per rank in ``layout`` (ignored where ``pages_by_layout`` names the layout)."""
+    dtype: torch.dtype
+    """Weights and KV pool (``model.dtype``)."""
+    max_model_len: int
+    """Longest history a request may reach: the widest key axis a graph is captured at."""
+    device: str
+    """Where this rank's tensors live (``parallel.device``; a bare ``cuda`` resolved to this rank's GPU)."""
+    draft: str | None = None
+    """Where drafts come from (``DRAFT_KINDS``; ``compute.draft`` resolved for this model); None with
+    ``compute.speculation="off"``."""
+    pages_by_layout: dict[Layout, int] | None = None
+    """KV pages per rank in each layout under one memory budget (memory follows the layout on a
+    switch); None keeps ``num_pages`` in every layout."""
+    switch_schedule: dict[int, Layout] = field(default_factory=dict)
+    """Engine step -> layout to switch to at that step (``parallel.switch_schedule``, parsed)."""
+    reachable_layouts: tuple[Layout, ...] = ()
+    """Layouts the engine may enter on its own (``auto`` on T > 1): a request that any of their pools
+    can hold is accepted. Empty: only the current layout's pools count. Every rank's replica uses
+    this, so they all accept the same requests."""
+    graph_reserve_bytes: int = 0
+    """What the budget set aside for CUDA graphs (``cuda_graphs.graph_reserve_bytes``), checked at capture."""
+
+    def __post_init__(self) -> None:
+        if (self.draft is None) != (self.compute.speculation == "off") or self.draft not in (None, *DRAFT_KINDS):
+            raise ValueError(f"draft: expected one of {DRAFT_KINDS} with speculation, None without; got "
+                             f"{self.draft!r} with compute.speculation={self.compute.speculation!r}")
+
+    @property
+    def initial_pages(self) -> int:
+        return self.pages_by_layout[self.layout] if self.pages_by_layout else self.num_pages
