@@ -202,6 +202,10 @@ class ComputeOptions:
     (default): ``mtp`` where the model has the module and a pass of it is at most 1/8 of a step (a
     decoder of 8 layers or more: DeepSeek-V3, GLM-5), else ``ngram`` (glm5-nano's 4 layers: measured
     slower with the module). The engine holds the module (rank 0, whole) only when it drafts with it."""
+    max_draft_tokens: int | None = None
+    """Most drafted tokens a request verifies in one step (vLLM's ``num_speculative_tokens``); the
+    drafters' own caps and the ``auto`` gate's choices stay under it. None: the draft source's own
+    (8 for n-grams, 4 for the MTP module, whose every drafted token costs a pass)."""
     cpu_share: bool = True
     """On CPU with one rank: each step uses only the cores other processes leave free (read from
     /proc every 0.5 s), at most the threads the engine was built with, at least one. A trainer or
@@ -254,6 +258,8 @@ class ComputeOptions:
             raise ValueError(f"numerics: expected one of {NUMERICS_MODES}, got {self.numerics!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation: expected one of {SPECULATION_MODES}, got {self.speculation!r}")
+        if self.max_draft_tokens is not None and (not is_int(self.max_draft_tokens) or self.max_draft_tokens < 1):
+            raise ValueError(f"max_draft_tokens: expected None or an integer >= 1, got {self.max_draft_tokens!r}")
         if self.draft not in DRAFT_SOURCES:
             raise ValueError(f"draft: expected one of {DRAFT_SOURCES}, got {self.draft!r}")
         buckets = tuple(self.decode_buckets)

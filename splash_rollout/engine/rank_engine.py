@@ -184,11 +184,12 @@ class Engine:
         self.state = RankState(view, pool, get_backend(settings.compute.attention_backend), shards, self.comm)
         self.model = model
         self.runner = ModelRunner(model, EXECUTORS[settings.layout](self.state))
-        self.mtp = (MTPDrafter(mtp_module, model.model.embed_tokens, model.model.norm, model.lm_head.weight)
+        memory, batching, compute = settings.memory, settings.batching, settings.compute
+        longest = {"max_draft": compute.max_draft_tokens} if compute.max_draft_tokens else {}  # else the drafter's
+        self.mtp = (MTPDrafter(mtp_module, model.model.embed_tokens, model.model.norm, model.lm_head.weight, **longest)
                     if drafts_mtp else None)
         """Drafting with the MTP module: every rank's drafter (rank 0's computes, engine/mtp_drafter.py)."""
-        memory, batching, compute = settings.memory, settings.batching, settings.compute
-        drafter = self.mtp if drafts_mtp else SuffixDrafter() if settings.draft == "ngram" else None
+        drafter = self.mtp if drafts_mtp else SuffixDrafter(**longest) if settings.draft == "ngram" else None
         self.scheduler = Scheduler(KVPlacement([num_pages] * t, memory.page_size, settings.layout),
                                    batching.max_num_batched_tokens, batching.max_num_seqs,
                                    ever_admits=self.can_ever_admit, admission=memory.admission_settings,
@@ -197,7 +198,7 @@ class Engine:
         """This rank's replica: the same decisions on every rank."""
         self.gate = (SpeculationGate(lambda step: price_step(self.layout, step), self.scheduler.drafter.stats,
                                      draft_cost=self.mtp.cost if self.mtp is not None else None,
-                                     draft_layer_share=1.0 / config.num_layers)
+                                     draft_layer_share=1.0 / config.num_layers, max_draft=drafter.max_draft)
                      if compute.speculation == "auto" and rank == 0 and price_step is not None else None)
         """Rank 0 under ``speculation="auto"``: the draft cap of each step."""
         self.block_table = BlockTable(batching.max_num_seqs, self.device)

@@ -441,3 +441,28 @@ def test_the_drivers_pressure_probe_leaves_the_replica_unchanged():
         plain.postprocess(b, tokens, [0.0] * rows)
         step += 1
     assert probes > 0 and plain.drafter.stats.accepted > 0
+
+
+def test_max_draft_tokens_bounds_every_verified_draft():
+    """``compute.max_draft_tokens`` caps the drafter (and the gate) of either source; its tokens are
+    still the ones ``off`` writes."""
+    from splash_rollout.engine.rank_engine import Engine
+    from splash_rollout.models.config import PRESETS
+    from splash_rollout.models.model import MLAForCausalLM
+    from splash_rollout.rollout.build import engine_settings
+
+    cfg = PRESETS["glm5-nano"]
+    outputs = {}
+    for longest in (None, 2):
+        config = EngineConfig(model=cfg, memory=dict(num_pages=64, page_size=4),
+                              compute=dict(speculation="always", draft="ngram", max_draft_tokens=longest))
+        engine = Engine.single(MLAForCausalLM.from_config(cfg, seed=0), cfg, engine_settings(config))
+        reqs = [Request(i, [3, 4, 5, 6, 7, 3, 4, 5, 6, 7], SamplingSpec(temperature=0.0, max_new_tokens=24,
+                                                                          ignore_eos=True), 64) for i in range(2)]
+        outputs[longest] = {r.request_id: r.output_ids for r in engine.serve(reqs)}
+        widest = max(len(s.draft_positions) for s in engine.step_log)
+        assert engine.scheduler.drafter.max_draft == (longest or 8)
+        assert widest > 2 if longest is None else widest == 2  # uncapped drafts run longer: the cap bounds them
+    assert outputs[None] == outputs[2]
+    with pytest.raises(ValueError, match="compute.max_draft_tokens: expected None or an integer >= 1"):
+        EngineConfig(compute={"max_draft_tokens": 0})
