@@ -31,14 +31,20 @@ import torch.distributed as dist
 
 @dataclass
 class ByteCounter:
-    """Bytes this rank sent and received, per tag (e.g. ``switch/weights``, ``switch/kv``, ``step``)."""
+    """Bytes this rank sent and received, per tag (e.g. ``switch/weights``, ``switch/kv``, ``step``)
+    and per (tag, collective) (``("step/attn", "all_to_all")``: what ``layout/traffic.py`` states)."""
 
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    by_op: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    """(tag, collective) -> [bytes sent, bytes received]."""
 
-    def add(self, tag: str, sent: int, received: int) -> None:
+    def add(self, tag: str, sent: int, received: int, op: str = "other") -> None:
         self.sent[tag] += int(sent)
         self.received[tag] += int(received)
+        both = self.by_op.setdefault((tag, op), [0, 0])
+        both[0] += int(sent)
+        both[1] += int(received)
 
     def total(self, prefix: str = "") -> tuple[int, int]:
         """(sent, received) over tags starting with ``prefix``."""
@@ -48,6 +54,7 @@ class ByteCounter:
     def reset(self) -> None:
         self.sent.clear()
         self.received.clear()
+        self.by_op.clear()
 
 
 class Pending:
@@ -118,7 +125,7 @@ class Comm:
             else:
                 dist.all_reduce(tensor, group=self.group)
             ring = tensor.numel() * tensor.element_size() * 2 * (t - 1) // t
-            self.counter.add(tag, ring, ring)
+            self.counter.add(tag, ring, ring, "all_reduce")
         return tensor
 
     # ---- uneven all-gather ------------------------------------------------------------------
@@ -134,7 +141,7 @@ class Comm:
         if len(sizes) != t or local.shape[0] != sizes[r]:
             raise ValueError(f"all_gather_uneven: rank {r} holds {local.shape[0]} rows, sizes say {list(sizes)}")
         row_shape, row_bytes = tuple(local.shape[1:]), _row_bytes(local)
-        self.counter.add(tag, sizes[r] * row_bytes * (t - 1), (sum(sizes) - sizes[r]) * row_bytes)
+        self.counter.add(tag, sizes[r] * row_bytes * (t - 1), (sum(sizes) - sizes[r]) * row_bytes, "all_gather")
         if t == 1:
             out = local.clone()
             return Pending(None, lambda: out) if async_op else out
@@ -167,7 +174,7 @@ class Comm:
         if t == 1:
             return full
         row_shape, row_bytes = tuple(full.shape[1:]), _row_bytes(full)
-        self.counter.add(tag, (full.shape[0] - sizes[r]) * row_bytes, sizes[r] * row_bytes * (t - 1))
+        self.counter.add(tag, (full.shape[0] - sizes[r]) * row_bytes, sizes[r] * row_bytes * (t - 1), "reduce_scatter")
         if self._via_channel(full, row_bytes):
             out = full.new_empty((sizes[r],) + row_shape)
             return self.channel.reduce_scatter_rows_(out, full, sizes)
@@ -200,7 +207,7 @@ class Comm:
                              f"{list(send_splits)} / receives {list(recv_splits)} over {t} ranks")
         row_shape, row_bytes = tuple(send.shape[1:]), _row_bytes(send)
         self.counter.add(tag, (sum(send_splits) - send_splits[r]) * row_bytes,
-                         (sum(recv_splits) - recv_splits[r]) * row_bytes)
+                         (sum(recv_splits) - recv_splits[r]) * row_bytes, "all_to_all")
         out = send.new_empty((sum(recv_splits),) + row_shape)
         if t == 1:
             out.copy_(send)
@@ -228,7 +235,8 @@ class Comm:
         if self.channel is not None:
             out = self.channel.broadcast_bytes(payload, src)
             n = len(out)
-            self.counter.add(tag, n * (self.world_size - 1) if self.rank == src else 0, 0 if self.rank == src else n)
+            self.counter.add(tag, n * (self.world_size - 1) if self.rank == src else 0, 0 if self.rank == src else n,
+                             "broadcast")
             return out
         size = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
         dist.broadcast(size, src=src, group=self.group)
@@ -237,7 +245,8 @@ class Comm:
                   else torch.empty(n, dtype=torch.uint8))
         if n:
             dist.broadcast(buffer, src=src, group=self.group)
-        self.counter.add(tag, n * (self.world_size - 1) if self.rank == src else 0, 0 if self.rank == src else n)
+        self.counter.add(tag, n * (self.world_size - 1) if self.rank == src else 0, 0 if self.rank == src else n,
+                         "broadcast")
         return payload if self.rank == src else buffer.numpy().tobytes()
 
     def gather_objects(self, obj: Any) -> list[Any]:

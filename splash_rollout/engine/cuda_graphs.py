@@ -95,7 +95,7 @@ class DecodeGraph:
     """One captured decoder: its input tensors (a padded batch it owns), the graph, its output."""
 
     def __init__(self, batch: ForwardBatch, replay: Callable[[], torch.Tensor],
-                 counted: dict[str, tuple[int, int]]) -> None:
+                 counted: dict[tuple[str, str], tuple[int, int]]) -> None:
         self.batch, self._replay, self.counted = batch, replay, counted
         self.checked = False
 
@@ -179,15 +179,14 @@ class DecodeGraphs:
                 self._run(batch)
         torch.cuda.current_stream().wait_stream(side)
         counter = self.comm.counter
-        sent0, received0 = dict(counter.sent), dict(counter.received)
+        before_ops = {key: tuple(both) for key, both in counter.by_op.items()}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self._run(batch)
-        counted = {tag: (counter.sent[tag] - sent0.get(tag, 0), counter.received[tag] - received0.get(tag, 0))
-                   for tag in set(counter.sent) | set(counter.received)
-                   if (counter.sent[tag], counter.received[tag]) != (sent0.get(tag, 0), received0.get(tag, 0))}
-        for tag, (sent, received) in counted.items():  # a capture moves nothing: only replays do
-            counter.add(tag, -sent, -received)
+        counted = {key: (both[0] - before_ops.get(key, (0, 0))[0], both[1] - before_ops.get(key, (0, 0))[1])
+                   for key, both in counter.by_op.items() if tuple(both) != before_ops.get(key, (0, 0))}
+        for (tag, op), (sent, received) in counted.items():  # a capture moves nothing: only replays do
+            counter.add(tag, -sent, -received, op)
         torch.cuda.synchronize()
         self.bytes += max(0, torch.cuda.memory_reserved() - before)
 
@@ -221,8 +220,8 @@ class DecodeGraphs:
         if graph is None:
             return None
         out = graph.replay(batch)
-        for tag, (sent, received) in graph.counted.items():
-            self.comm.counter.add(tag, sent, received)
+        for (tag, op), (sent, received) in graph.counted.items():
+            self.comm.counter.add(tag, sent, received, op)
         self.replays += 1
         if self.check and not graph.checked:
             graph.checked = True

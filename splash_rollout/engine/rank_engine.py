@@ -36,6 +36,7 @@ from splash_rollout.engine.attention import get_backend
 from splash_rollout.engine.block_table import BlockTable
 from splash_rollout.engine.cpu_share import CpuShare
 from splash_rollout.engine.cuda_graphs import DecodeGraphs, decode_buckets
+from splash_rollout.engine.executors.base import element_bytes, step_shape
 from splash_rollout.engine.executors.cp import CPExecutor
 from splash_rollout.engine.executors.dop import DOPExecutor
 from splash_rollout.engine.executors.dp import DPExecutor
@@ -70,6 +71,7 @@ from splash_rollout.layout.bytes import AttentionBytes
 from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.layout.rank_view import RankView
+from splash_rollout.layout.traffic import Collective
 from splash_rollout.models.weights import Target
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.weights import WeightSource
@@ -250,6 +252,13 @@ class Engine:
     @property
     def layout(self) -> Layout:
         return self.state.view.layout
+
+    def step_traffic(self, batch: ForwardBatch) -> list[Collective]:
+        """What one layer of ``batch``'s step sends between the ranks in the current layout, as the
+        executor states it (``layout/traffic.py``): the account the cost model prices."""
+        shape = step_shape(batch, self.config, self.world_size, self.settings.parallel.feed_forward,
+                           element_bytes(self.settings.dtype))
+        return self.runner.executor.layer_traffic(shape)
 
     @property
     def decision_log(self) -> list[dict]:

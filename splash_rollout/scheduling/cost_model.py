@@ -35,12 +35,13 @@ rank gathers the stored latent and indexer keys of the requests in the step) sui
 chunks of few requests.
 
 Which algorithms are priced follows ``profile.engine``. ``ideal`` (the GPU presets) is the table
-above with paged kernels that touch only causal or selected keys. ``torch_ref`` is this package's
-reference backend, which a calibrated profile describes: attention scores the whole history as a
+above with paged kernels that touch only causal or selected keys. ``torch_ref`` and ``cpu`` are this
+package's engine, which a calibrated profile describes: attention scores the whole history as a
 masked rectangle unless a DSA selection is sparse enough to gather (``REF_SPARSE_MIN_KEYS``); the
 indexer scores the rectangle and every rank selects top-k from it; CP replicates the projections
-of every row, all-gathers partial outputs + LSE and, on DSA layers, the local indexer scores
-(variant ``replicated``). Calibrated profiles also carry the costs no roofline sees: per request per
+of every row (variant ``replicated``). Its collectives are not restated here: they are the
+executors' own account (``layout/traffic.py``, held to the bytes the engine moves by a test), priced
+on the busiest rank's bytes at ``PRICED_WIDTHS``. Calibrated profiles also carry the costs no roofline sees: per request per
 layer, per request per step, per score element, per expert call (``scheduling/fit.py`` fits them).
 
 On the ``ideal`` engine DOP runs q_a / kv_a / indexer projections on the owner's rows only (the
@@ -59,12 +60,19 @@ from typing import Mapping
 
 import numpy as np
 
-from splash_rollout.layout import ALL_LAYOUTS, AttentionBytes, Layout, ceil_div, fits
+from splash_rollout.layout import ALL_LAYOUTS, AttentionBytes, Layout, ceil_div, fits, traffic
 from splash_rollout.layout.bytes import kv_vector_bytes, matrix_bytes
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.scheduling.profile import HardwareProfile
 
 ACT = 2  # bytes per bf16 activation element
+PRICED_WIDTHS = traffic.ElementBytes(activation=ACT, partial=ACT, attention=ACT, cp_partial=ACT, lse=4, score=4)
+"""The element widths this package's engine's traffic is priced at: bf16 rows and partial sums (what
+a GPU run moves; a CPU profile's fitted bandwidth absorbs its float32 / float64 widths), float32
+LSE and scores."""
+_CURVE = {"all_reduce": "all_reduce", "reduce_scatter": "all_reduce", "all_gather": "all_gather",
+          "all_to_all": "all_to_all"}
+"""Which of a profile's collective curves prices each kind (a reduce-scatter: the all-reduce's)."""
 REF_SPARSE_MIN_KEYS = 64
 """``models.attention_math.SPARSE_MIN_KEYS``: the reference backend attends histories shorter than
 this densely (a test keeps the two equal; this layer may not import the models)."""
@@ -291,8 +299,9 @@ def step_time(layout: Layout | str, batch: StepBatch, model: ModelConfig, profil
     paged = p.engine == "cpu"  # ... whose cpu backend attends only the keys a row sees, in place
     n = float(batch.query_rows.sum())
     load = _attention_load(layout, batch, k, t, ref, paged)
-    ff = _feed_forward_plan(layout, p, n, load.n_r, t, ref, k.hidden)
-    variants = _attention_variants(layout, batch, k, p, t, ref, n, load, ff.replicated)
+    engine_traffic = _engine_traffic(layout, batch, model, p, t) if ref else None
+    ff = _feed_forward_plan(layout, p, n, load.n_r, t, engine_traffic, k.hidden)
+    variants = _attention_variants(layout, batch, k, p, t, engine_traffic, n, load, ff.replicated)
     mlp = _mlp_seconds(k, p, ff, k.hidden)
     stages, layer_seconds, variant = _cheapest_layers(layout, model, k, p, t, load, ff, mlp, variants)
     q = batch.query_rows
@@ -376,32 +385,50 @@ def _attention_load(layout: Layout, batch: StepBatch, k, t: int, ref: bool, page
                           att_flop_load, att_heads, n_r, busy_rows)
 
 
-def _feed_forward_plan(layout: Layout, p: HardwareProfile, n: float, n_r, t: int, ref: bool,
+def _feed_forward_plan(layout: Layout, p: HardwareProfile, n: float, n_r, t: int, engine_traffic,
                        hd: int) -> _FeedForwardPlan:
     """Which ranks run the feed-forward rows and the collective that closes the block."""
     rows_sh = float(ceil_div(int(n), t))
-    ar_hidden = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
-    # the feed-forward block's closing collective: an all-reduce where hidden states are replicated
-    # between blocks; this package's DP-attention carries only its own rows, so a reduce-scatter
-    # (half the bytes) after the all-gather of the block's input (priced as the attention block's
-    # collective below). The published engines' profiles keep the all-reduce they were fitted with.
-    mlp_comm = (p.all_reduce.time(n * hd * ACT * (t - 1) / t) if layout is Layout.DP and t > 1 and ref
-                else ar_hidden)
     # replicated feed-forward weights: each row is computed whole on one rank -- a DP-attention rank
-    # its own rows (no collective, and no input gather either), other layouts a 1/T slice of the
-    # replicated rows and one all-gather of the outputs
+    # its own rows, other layouts a 1/T slice of the replicated rows
     replicated_ff = p.feed_forward == "replicated" and t > 1
     ff_t, ff_n = t, n  # ranks the block's weights are divided over; rows one rank runs them on
     if replicated_ff:
         ff_t, ff_n = 1, (float(n_r.max()) if layout is Layout.DP else rows_sh)
+    if engine_traffic is not None:  # this package's engine: what its executor states it sends
+        mlp_comm = _priced(p, (c for c in engine_traffic if c.tag == "step/mlp"))
+    elif replicated_ff:
         mlp_comm = 0.0 if layout is Layout.DP else p.all_gather.time((n - rows_sh) * hd * ACT)
+    else:  # the published engines close the block with the all-reduce their profiles were fitted with
+        mlp_comm = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
     return _FeedForwardPlan(mlp_comm, ff_t, ff_n, replicated_ff)
 
 
-def _attention_variants(layout: Layout, batch: StepBatch, k, p: HardwareProfile, t: int, ref: bool, n: float,
-                        load: _AttentionLoad, replicated_ff: bool) -> list[tuple[str, float, float, float, float]]:
+def _engine_traffic(layout: Layout, batch: StepBatch, model: ModelConfig, p: HardwareProfile,
+                    t: int) -> list[traffic.Collective]:
+    """One layer's collectives of this package's engine for ``batch`` (``layout/traffic.py``; the
+    indexer scores' width without the page rounding)."""
+    q = batch.query_rows.astype(np.int64)
+    owned = tuple(int(x) for x in np.bincount(batch.owners, weights=q, minlength=t)[:t]) if t > 1 else (int(q.sum()),)
+    widest = int(batch.context.max()) if batch.size else 0
+    shape = traffic.StepShape(owned, model.hidden_size, model.num_heads, model.kv_lora_rank, model.qk_rope_head_dim,
+                              PRICED_WIDTHS, p.feed_forward, score_columns=ceil_div(widest, t))
+    return traffic.BY_LAYOUT[layout](shape)
+
+
+def _priced(p: HardwareProfile, collectives) -> float:
+    """Seconds of these collectives, each on its busiest rank's bytes."""
+    return float(sum(getattr(p, _CURVE[c.op]).time(c.busiest_bytes) for c in collectives))
+
+
+def _attention_variants(layout: Layout, batch: StepBatch, k, p: HardwareProfile, t: int, engine_traffic,
+                        n: float, load: _AttentionLoad,
+                        replicated_ff: bool) -> list[tuple[str, float, float, float, float]]:
     """Each way of running the attention block: (name, rows projected in, projection FLOP, its
-    collective per layer, the indexer's extra collective on full layers). One way outside CP."""
+    collective per layer, the indexer's extra collective on full layers). One way outside CP.
+    ``engine_traffic``: this package's engine's collectives (its executor's account), else None
+    (a published engine's algorithms, below)."""
+    ref = engine_traffic is not None
     s, q = batch.context, batch.query_rows
     active = q > 0
     h, hd = k.heads, k.hidden
@@ -410,7 +437,11 @@ def _attention_variants(layout: Layout, batch: StepBatch, k, p: HardwareProfile,
     rows_sh = float(ceil_div(int(n), t))
     ar_hidden = p.all_reduce.time(n * hd * ACT * 2 * (t - 1) / t)
     frac = (t - 1) / t
-    if layout is Layout.TP:
+    if ref:
+        attn = [c for c in engine_traffic if c.tag == "step/attn"]
+        comm = _priced(p, (c for c in attn if not c.indexer_layers_only))
+        comm_idx = _priced(p, (c for c in attn if c.indexer_layers_only))
+    elif layout is Layout.TP:
         comm = ar_hidden
     elif layout is Layout.DP:
         comm = 0.0 if replicated_ff else p.all_gather.time(float((n - n_r).max()) * hd * ACT)
@@ -419,31 +450,25 @@ def _attention_variants(layout: Layout, batch: StepBatch, k, p: HardwareProfile,
             sent = (n - n_r) * (h / t) * width * ACT
             recv = n_r * h * (t - 1) / t * width * ACT
             return p.all_to_all.time(float(np.maximum(sent, recv).max()))
-        if ref:
-            comm = a2a(k.kv_lora + k.qk_rope) + a2a(k.kv_lora) + ar_hidden
-        else:
-            # the owner runs q_a / kv_a / indexer projections on its own rows, then the q latent of
-            # every row is all-gathered for the head-sharded q_b; after o_proj a reduce-scatter
-            # keeps every head's contribution to the owner's rows, which are all-gathered back
-            q_lat = p.all_gather.time(float((n - n_r).max()) * k.q_lora * ACT) if k.q_lora else 0.0
-            rs = p.all_reduce.time(n * hd * ACT * (t - 1) / t) if t > 1 else 0.0
-            back = p.all_gather.time(float((n - n_r).max()) * hd * ACT)
-            comm = q_lat + a2a(k.kv_lora + k.qk_rope) + a2a(k.kv_lora) + rs + back
+        # the owner runs q_a / kv_a / indexer projections on its own rows, then the q latent of
+        # every row is all-gathered for the head-sharded q_b; after o_proj a reduce-scatter
+        # keeps every head's contribution to the owner's rows, which are all-gathered back
+        q_lat = p.all_gather.time(float((n - n_r).max()) * k.q_lora * ACT) if k.q_lora else 0.0
+        rs = p.all_reduce.time(n * hd * ACT * (t - 1) / t) if t > 1 else 0.0
+        back = p.all_gather.time(float((n - n_r).max()) * hd * ACT)
+        comm = q_lat + a2a(k.kv_lora + k.qk_rope) + a2a(k.kv_lora) + rs + back
     if layout is Layout.TP:
         in_rows, proj_flops = n, n * (k.f_q + k.f_o) * h / t
     elif layout is Layout.DOP:
         in_rows, proj_flops = (n if ref else busy_rows), n * (k.f_q + k.f_o) * h / t
     elif layout is Layout.DP:
         in_rows, proj_flops = busy_rows, busy_rows * (k.f_q + k.f_o) * h
-    variants = [("", in_rows, proj_flops, comm, 0.0)] if not cp else []
+    variants = [("", in_rows, proj_flops, comm, comm_idx if ref else 0.0)] if not cp else []
     if cp and ref:
         # replicated: every rank projects every row and attends them over the positions it stores;
         # the partial outputs and their LSE are all-gathered and merged on every rank; DSA scores
         # of the local positions are all-gathered so every rank selects the global top-k itself
-        scores = p.all_gather.time(frac * float((q * s).sum()) * 4) if k.topk else 0.0
-        variants.append(("replicated", n, n * (k.f_q + k.f_o) * h,
-                         p.all_gather.time(frac * n * h * k.kv_lora * ACT) + p.all_gather.time(frac * n * h * 4),
-                         scores))
+        variants.append(("replicated", n, n * (k.f_q + k.f_o) * h, comm, comm_idx))
     elif cp:
         # pass-Q: every rank attends every row over its own positions, partials+LSE merged by row
         # owner; q_b/absorption run for all rows on every rank, W_UV/o_proj on N/T rows.

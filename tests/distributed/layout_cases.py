@@ -55,14 +55,14 @@ def single_rank(model: str, temperature: float = 0.0) -> dict:
 
 def build_group_engine(ctx, model: str, layout: str, num_pages: int = 512, budget_bytes: int | None = None,
                        switch_schedule: dict[int, str] | None = None, attention_backend: str = "torch",
-                       memory: dict | None = None):
+                       memory: dict | None = None, feed_forward: str = "sharded"):
     """Every rank: an engine of ``model`` in ``layout`` over the group; a memory budget of
     ``budget_bytes`` per rank (pages per layout) or ``num_pages``; ``memory``: more memory fields."""
     cfg = MODELS[model]
     torch.set_flush_denormal(True)
     pool = ({"memory_budget_gib": budget_bytes / 2**30} if budget_bytes is not None else {"num_pages": num_pages})
     config = EngineConfig(model=cfg, parallel=dict(world_size=ctx.world_size, layout=layout,
-                                                   switch_schedule=switch_schedule),
+                                                   switch_schedule=switch_schedule, feed_forward=feed_forward),
                           memory=dict(page_size=PAGE_SIZE, **pool, **(memory or {})),
                           batching=dict(max_num_batched_tokens=TOKEN_BUDGET, max_num_seqs=64),
                           compute=dict(attention_backend=attention_backend, speculation="off"))

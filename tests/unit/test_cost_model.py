@@ -276,7 +276,7 @@ def test_replicated_feed_forward_drops_dp_collectives_and_holds_every_expert():
     replicated = sharded.replace(feed_forward="replicated")
     batch = StepBatch.make([160] * 64, [1] * 64, np.arange(64) % 2)
     dp_sh, dp_rep = (step_time("dp", batch, cfg, p, sizes) for p in (sharded, replicated))
-    assert dp_sh.stages["mlp_comm"] > 0 and dp_sh.stages["attn_comm"] > 0
+    assert dp_sh.stages["mlp_comm"] > 0 and dp_sh.stages["attn_comm"] == 0  # gather + reduce-scatter: the block's
     assert dp_rep.stages["mlp_comm"] == 0 and dp_rep.stages["attn_comm"] == 0
     assert dp_rep.stages["attention"] == pytest.approx(dp_sh.stages["attention"])  # attention is untouched
     tp_sh, tp_rep = (step_time("tp", batch, cfg, p, sizes) for p in (sharded, replicated))
@@ -287,3 +287,24 @@ def test_replicated_feed_forward_drops_dp_collectives_and_holds_every_expert():
     assert other_weight_bytes_per_rank(cfg, 2, "fp32", "replicated", vocab="sharded") < one_rank  # embeddings split
     with pytest.raises(ValueError, match="feed_forward: expected one of"):
         sharded.replace(feed_forward="split")
+
+
+def test_this_engines_collectives_are_priced_from_its_executors_account(monkeypatch):
+    """The cost model prices what ``layout/traffic.py`` states (the account the byte-count test holds
+    the executors to): one more collective in a layout's account costs exactly its time per layer."""
+    from splash_rollout.engine.rank_engine import sizes_for
+    from splash_rollout.layout import traffic
+    from splash_rollout.models.config import resolve_model
+
+    cfg = resolve_model("glm5-nano")
+    sizes = sizes_for(cfg, torch.float32)
+    profile = load_profile("cpu").replace(world_size=2)
+    batch = StepBatch.make([160] * 6, [1] * 6, np.arange(6) % 2)
+    before = step_time("dop", batch, cfg, profile, sizes)
+    extra = traffic.all_gather("step/attn", (6, 6), 1 << 20)
+    account = traffic.BY_LAYOUT[Layout.DOP]
+    monkeypatch.setitem(traffic.BY_LAYOUT, Layout.DOP, lambda shape: account(shape) + [extra])
+    after = step_time("dop", batch, cfg, profile, sizes)
+    scale = profile.scale("comm", "dop")
+    assert after.stages["attn_comm"] - before.stages["attn_comm"] == pytest.approx(
+        cfg.num_layers * scale * profile.all_gather.time(extra.busiest_bytes))

@@ -18,9 +18,33 @@ import torch
 
 from splash_rollout.engine.forward_batch import ForwardBatch, device_index
 from splash_rollout.engine.parallel_mlp import on_replicated_rows
+from splash_rollout.layout import traffic
+from splash_rollout.models.config import ModelConfig
+from splash_rollout.models.numerics import acc_dtype, partial_dtype
 
 if TYPE_CHECKING:
     from splash_rollout.engine.rank_state import RankState
+
+
+def element_bytes(dtype: torch.dtype) -> traffic.ElementBytes:
+    """The widths of what this process's steps send: ``dtype`` rows, partial sums (and CP's partial
+    attention) in the numerics mode's partial dtype, CP's LSE in its accumulation dtype, float32
+    indexer scores."""
+    act, partial = dtype.itemsize, partial_dtype(dtype).itemsize
+    return traffic.ElementBytes(activation=act, partial=partial, attention=act, cp_partial=partial,
+                                lse=acc_dtype(dtype).itemsize, score=torch.float32.itemsize)
+
+
+def step_shape(batch: ForwardBatch, model: ModelConfig, world_size: int, feed_forward: str,
+               widths: traffic.ElementBytes) -> traffic.StepShape:
+    """What ``layout/traffic.py`` needs of one step's batch on T ranks."""
+    owned = [0] * world_size
+    for owner, rows in zip(batch.owners, batch.num_new):
+        owned[owner] += rows
+    page_rounds = -(-batch.max_seq_len // (world_size * batch.page_size))
+    return traffic.StepShape(tuple(owned), model.hidden_size, model.num_heads, model.kv_lora_rank,
+                             model.qk_rope_head_dim, widths, feed_forward,
+                             score_columns=page_rounds * batch.page_size)
 
 
 class AttentionExecutor(abc.ABC):
@@ -44,6 +68,9 @@ class AttentionExecutor(abc.ABC):
 
     rank = 0
     """This rank's index in its layout (the single-rank executor: 0)."""
+
+    layer_traffic = staticmethod(traffic.tp)
+    """StepShape -> the collectives one layer of a step runs here (``layout/traffic.py``; one rank: none)."""
 
     inputs_stay_local = False
     """Whether a rank's next step reads only the tokens it sampled itself (its rows are its own
