@@ -644,7 +644,7 @@ def ratios(arm: dict, base: dict) -> dict:
             "median_by_round": median([x for x in by_round if x is not None])}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="output JSON path (rewritten after every run)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
@@ -680,35 +680,42 @@ def main(argv=None) -> dict:
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        run_child(args.child, args.spec, args.out)
-        return {}
+    if args.warmup_prompts < 1 or args.warmup_prompt_len < 0:
+        ap.error(f"--warmup-prompts must be >= 1 and --warmup-prompt-len >= 0 (0: full length), got "
+                 f"{args.warmup_prompts} and {args.warmup_prompt_len}")
+    return args
 
-    import numpy as np
 
-    def subset(value: str, allowed, what: str) -> list[str]:
-        items = [x.strip() for x in value.split(",") if x.strip()]
-        bad = [x for x in items if x not in allowed]
-        if bad or not items:
-            raise SystemExit(f"--{what}: expected a comma list of {sorted(allowed)}, got {value!r}")
-        return list(dict.fromkeys(items))
+def _subset(value: str, allowed, what: str) -> list[str]:
+    items = [x.strip() for x in value.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise SystemExit(f"--{what}: expected a comma list of {sorted(allowed)}, got {value!r}")
+    return list(dict.fromkeys(items))
 
-    workloads = subset(args.workloads, WORKLOADS, "workloads")
-    arms = subset(args.arms, ARMS, "arms")
+
+def choices(args) -> tuple[list[str], list[str], list[str], dict, dict]:
+    """(workloads, arms, dtypes, each workload's shape, the greedy check's shape), checked."""
+    workloads = _subset(args.workloads, WORKLOADS, "workloads")
+    arms = _subset(args.arms, ARMS, "arms")
     if "splash_t1_base" in arms and not (args.baseline_src and os.path.isdir(os.path.join(args.baseline_src,
                                                                                            "splash_rollout"))):
         raise SystemExit(f"--arms splash_t1_base needs --baseline-src: a source tree holding splash_rollout/ "
                          f"(e.g. git worktree add /tmp/base HEAD~1), got {args.baseline_src!r}")
-    dtypes = subset(args.dtypes, ("float32", "bfloat16", "float16"), "dtypes")
+    dtypes = _subset(args.dtypes, ("float32", "bfloat16", "float16"), "dtypes")
     if args.rounds < 1 or args.threads < 1:
         raise SystemExit("--rounds and --threads: expected >= 1")
     shapes = {w: dict((QUICK_WORKLOADS if args.quick else WORKLOADS)[w]) for w in workloads}
-    greedy_shape = QUICK_GREEDY if args.quick else GREEDY
     for w, s in shapes.items():
         if s["prompt_len"] + s["new"] > VLLM_MAX_MODEL_LEN:
             raise SystemExit(f"workload {w}: prompt + new tokens {s['prompt_len'] + s['new']} > vLLM's max_model_len "
                              f"{VLLM_MAX_MODEL_LEN}")
+    return workloads, arms, dtypes, shapes, QUICK_GREEDY if args.quick else GREEDY
 
+
+def peer_environment(args, arms: list[str]) -> tuple[bool, dict, dict]:
+    """(whether the vLLM venv is needed, the environment that runs an engine under vLLM's allocator and
+    OpenMP, vLLM's own environment); refuses a missing venv, libiomp5 or tcmalloc, saying what needs it."""
     iomp = os.path.join(os.path.dirname(os.path.dirname(args.vllm_python)), "lib", "libiomp5.so")
     needs_vllm = "vllm" in arms or args.splash_env in ("same", "both")
     if needs_vllm:
@@ -727,6 +734,12 @@ def main(argv=None) -> dict:
     preload = {"LD_PRELOAD": f"{args.tcmalloc}:{iomp}", "OMP_NUM_THREADS": str(args.threads)}
     vllm_env = {**preload, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB),
                 "VLLM_CPU_OMP_THREADS_BIND": "0" if args.threads == 1 else f"0-{args.threads - 1}"}
+    return needs_vllm, preload, vllm_env
+
+
+def arm_definitions(args, arms: list[str], preload: dict, vllm_env: dict) -> tuple[list[str], dict, list[str]]:
+    """(arm keys in run order, each arm's definition -- interpreter, environment, engine settings --,
+    notes on how the arms' threads differ)."""
     splash_envs = ["same", "own"] if args.splash_env == "both" else [args.splash_env]
     arm_keys: list[str] = []
     arm_defs: dict[str, dict] = {}
@@ -762,60 +775,87 @@ def main(argv=None) -> dict:
     if {"splash_t2_dp", "splash_t2_dp_ffrep"} & set(arms) and (os.cpu_count() or 1) // 2 * 2 != args.threads:
         notes.append(f"splash_t2_dp*: its 2 ranks take os.cpu_count() // 2 = {(os.cpu_count() or 1) // 2} threads each "
                      f"(the engine's default), not --threads {args.threads} in all")
+    return arm_keys, arm_defs, notes
 
-    work = args.work_dir or tempfile.mkdtemp(prefix="peer_engines_")
-    if args.warmup_prompts < 1 or args.warmup_prompt_len < 0:
-        ap.error(f"--warmup-prompts must be >= 1 and --warmup-prompt-len >= 0 (0: full length), got "
-                 f"{args.warmup_prompts} and {args.warmup_prompt_len}")
-    warmup = dict(prompts=args.warmup_prompts, prompt_len=args.warmup_prompt_len, new=WARMUP["new"])
-    os.makedirs(work, exist_ok=True)
-    runner = Runner(work, args.arm_timeout, warmup)
-    t_all = time.perf_counter()
-    out: dict = {
-        "benchmark": "peer_engines",
-        "command": " ".join(["python benchmarks/peer_engines.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])]),
-        "machine": machine_facts(args.vllm_python if needs_vllm else None),
-        "settings": {"workloads": {w: {**s, "samples": s["prompts"] * s["n"], "tokens": s["prompts"] * s["n"] * s["new"]}
-                                   for w, s in shapes.items()},
-                     "arm_keys": arm_keys, "dtypes": dtypes, "rounds": args.rounds, "threads": args.threads,
-                     "splash_env": args.splash_env, "quick": args.quick, "seed": args.seed,
-                     "warmup": warmup, "greedy": None if args.no_greedy_check else greedy_shape,
-                     "order": "each round runs every arm once, each a fresh process; the order reverses every round",
-                     "timed": "one generate call of the whole workload; start-up and warm-up not timed"},
-        "arms": arm_defs, "notes": notes, "work_dir": work, "results": {}, "failures": []}
 
-    def save() -> None:
-        out["timing_s"] = time.perf_counter() - t_all
-        if args.json:
-            _dump(out, args.json)
+class Session:
+    """One invocation: its output record (saved after every run), the child-process runner, the arms,
+    the checkpoint and prompt files once made."""
 
-    def fail(where: str, record: dict) -> None:
-        out["failures"].append({"where": where, "error": record.get("error"), "exit_status": record.get("exit_status"),
-                                "stderr_tail": (record.get("stderr_tail") or "")[-1500:],
-                                "stderr_log": record.get("stderr_log")})
+    def __init__(self, args, out: dict, runner: "Runner", arm_defs: dict) -> None:
+        self.args, self.out, self.runner, self.arm_defs = args, out, runner, arm_defs
+        self.started = time.perf_counter()
+        self.ckpt = ""
+
+    def save(self) -> None:
+        self.out["timing_s"] = time.perf_counter() - self.started
+        if self.args.json:
+            _dump(self.out, self.args.json)
+
+    def fail(self, where: str, record: dict) -> None:
+        self.out["failures"].append({"where": where, "error": record.get("error"),
+                                     "exit_status": record.get("exit_status"),
+                                     "stderr_tail": (record.get("stderr_tail") or "")[-1500:],
+                                     "stderr_log": record.get("stderr_log")})
         print(f"[peer_engines] {where}: FAILED ({record.get('error')}); stderr tail:\n"
               f"{(record.get('stderr_tail') or '')[-1500:]}", file=sys.stderr, flush=True)
 
-    # checkpoint
+    def spec_for(self, key: str, dtype: str, shape: dict, prompts_file: str, mode: str) -> dict:
+        """What the child process of arm ``key`` runs: one call of ``shape`` in ``dtype``."""
+        arm, args, n = self.arm_defs[key], self.args, shape.get("n", 1)
+        if arm["kind"] == "vllm":
+            return {"mode": mode, "checkpoint": self.ckpt, "dtype": dtype, "prompts_file": prompts_file,
+                    "n": n, "new": shape["new"]}
+        pages = shape["prompts"] * n * (shape["prompt_len"] + shape["new"]) // args.page_size + shape["prompts"] * n + 64
+        return {"mode": mode, "checkpoint": self.ckpt, "dtype": dtype, "prompts_file": prompts_file, "n": n,
+                "new": shape["new"], "threads": args.threads, "num_pages": pages, "page_size": args.page_size,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "world_size": arm["world_size"],
+                "layout": arm["layout"], "feed_forward": arm["feed_forward"], "independent": arm["independent"],
+                "decode_window": arm.get("decode_window")}
+
+    def launch(self, key: str, name: str, spec: dict) -> dict:
+        """Run arm ``key`` once as a child process; a failure is recorded, not raised."""
+        arm = self.arm_defs[key]
+        print(f"[peer_engines] {name} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
+        rec = self.runner.run(name.replace("/", "_").replace("[", "_").replace("]", ""), arm["python"], arm["kind"],
+                              spec, arm["env"], arm["env_remove"])
+        if "result" not in rec:
+            self.fail(name, rec)
+        else:
+            res = rec["result"]
+            if "vllm_version" in res:
+                self.out["machine"]["vllm_runtime_version"] = res["vllm_version"]
+            if "tokens_per_s" in res:
+                print(f"[peer_engines] {name}: {res['tokens']} tokens in {res['wall_s']:.2f} s = "
+                      f"{res['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        return rec
+
+
+def prepare_inputs(session: Session, work: str, shapes: dict, greedy_shape: dict) -> tuple[str | None, dict, str]:
+    """The checkpoint (built unless ``--checkpoint``; the folder built, or None) and the prompt files
+    (every workload draws, so a subset gets the same ids as the full run): (built, files, greedy file)."""
+    import numpy as np
+
+    args, out = session.args, session.out
     built = None
     if args.checkpoint:
-        ckpt = os.path.abspath(args.checkpoint)
+        session.ckpt = os.path.abspath(args.checkpoint)
     else:
-        ckpt = built = os.path.join(work, "checkpoint")
-        rec = runner.run("checkpoint", sys.executable, "checkpoint",
-                         {"dir": ckpt, "seed": args.seed, "config": CHECKPOINT_CONFIG}, {})
+        session.ckpt = built = os.path.join(work, "checkpoint")
+        rec = session.runner.run("checkpoint", sys.executable, "checkpoint",
+                                 {"dir": built, "seed": args.seed, "config": CHECKPOINT_CONFIG}, {})
         if "result" not in rec:
-            fail("checkpoint", rec)
-            save()
+            session.fail("checkpoint", rec)
+            session.save()
             raise SystemExit(f"building the checkpoint failed: {rec.get('error')}\n{rec.get('stderr_tail')}")
-    raw = check_checkpoint(ckpt)
-    out["checkpoint"] = {"path": ckpt, "built_here": built is not None, "seed": args.seed,
+    raw = check_checkpoint(session.ckpt)
+    out["checkpoint"] = {"path": session.ckpt, "built_here": built is not None, "seed": args.seed,
                          "config": {k: raw.get(k) for k in (*CHECKPOINT_CONFIG, *CONFIG_ADDITIONS, "routed_scaling_factor",
                                                             "rope_interleave")}}
     vocab = int(raw["vocab_size"])
     rng = np.random.default_rng(args.seed)
     prompt_files = {}
-    for w in WORKLOADS:  # every workload draws, so a subset gets the same ids as the full run
+    for w in WORKLOADS:
         shape = (QUICK_WORKLOADS if args.quick else WORKLOADS)[w]
         prompts = make_prompts(shape, vocab, rng)
         if w in shapes:
@@ -823,76 +863,51 @@ def main(argv=None) -> dict:
             _dump({**shape, "token_ids": prompts}, prompt_files[w])
     greedy_file = os.path.join(work, "prompts_greedy.json")
     _dump({**greedy_shape, "token_ids": make_prompts(greedy_shape, vocab, rng)}, greedy_file)
-    save()
+    session.save()
+    return built, prompt_files, greedy_file
 
-    def splash_spec(arm: dict, dtype: str, shape: dict, prompts_file: str, mode: str) -> dict:
-        n = shape.get("n", 1)
-        pages = shape["prompts"] * n * (shape["prompt_len"] + shape["new"]) // args.page_size + shape["prompts"] * n + 64
-        return {"mode": mode, "checkpoint": ckpt, "dtype": dtype, "prompts_file": prompts_file, "n": n,
-                "new": shape["new"], "threads": args.threads, "num_pages": pages, "page_size": args.page_size,
-                "max_num_batched_tokens": args.max_num_batched_tokens, "world_size": arm["world_size"],
-                "layout": arm["layout"], "feed_forward": arm["feed_forward"], "independent": arm["independent"],
-                "decode_window": arm.get("decode_window")}
 
-    def spec_for(key: str, dtype: str, shape: dict, prompts_file: str, mode: str) -> dict:
-        arm = arm_defs[key]
-        if arm["kind"] == "vllm":
-            return {"mode": mode, "checkpoint": ckpt, "dtype": dtype, "prompts_file": prompts_file,
-                    "n": shape.get("n", 1), "new": shape["new"]}
-        return splash_spec(arm, dtype, shape, prompts_file, mode)
+def greedy_check(session: Session, arm_keys: list[str], dtypes: list[str], greedy_shape: dict, greedy_file: str) -> None:
+    """transformers' float32 greedy reference, then every arm once per dtype, compared token for token."""
+    args = session.args
+    gc: dict = {"shape": greedy_shape, "reference": "transformers DeepseekV3ForCausalLM float32 eager, generate "
+                "do_sample=False, no eos", "by_dtype": {}}
+    session.out["greedy_check"] = gc
+    print("[peer_engines] greedy reference (transformers) ...", file=sys.stderr, flush=True)
+    ref_rec = session.runner.run("greedy_transformers", sys.executable, "transformers",
+                                 {"mode": "greedy", "checkpoint": session.ckpt, "dtype": "float32",
+                                  "prompts_file": greedy_file, "new": greedy_shape["new"], "threads": args.threads}, {})
+    gc["reference_run"] = {k: v for k, v in ref_rec.items() if k != "result"}
+    if "result" not in ref_rec:
+        session.fail("greedy/transformers", ref_rec)
+        return
+    ref = ref_rec["result"]
+    gc["reference_run"]["tokens"] = ref["tokens"]
+    gc["reference_run"]["attn_implementation"] = ref["attn_implementation"]
+    for dtype in dtypes:
+        per = gc["by_dtype"].setdefault(dtype, {})
+        for key in arm_keys:
+            rec = session.launch(key, f"greedy/{dtype}/{key}",
+                                 session.spec_for(key, dtype, greedy_shape, greedy_file, "greedy"))
+            if "result" not in rec:
+                per[key] = {"error": rec.get("error"), "exit_status": rec.get("exit_status"),
+                            "stderr_tail": rec.get("stderr_tail", "")[-1500:]}
+            else:
+                per[key] = {**compare_greedy(ref, rec["result"]), "tokens_got": rec["result"]["tokens"],
+                            "exit_status": rec["exit_status"], "command": rec["command"]}
+            session.save()
 
-    def launch(key: str, name: str, spec: dict) -> dict:
-        arm = arm_defs[key]
-        print(f"[peer_engines] {name} (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
-        rec = runner.run(name.replace("/", "_").replace("[", "_").replace("]", ""), arm["python"], arm["kind"], spec,
-                         arm["env"], arm["env_remove"])
-        if "result" not in rec:
-            fail(name, rec)
-        else:
-            res = rec["result"]
-            if "vllm_version" in res:
-                out["machine"]["vllm_runtime_version"] = res["vllm_version"]
-            if "tokens_per_s" in res:
-                print(f"[peer_engines] {name}: {res['tokens']} tokens in {res['wall_s']:.2f} s = "
-                      f"{res['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        return rec
 
-    # greedy check: transformers float32 reference, then every arm once per dtype
-    if not args.no_greedy_check:
-        gc: dict = {"shape": greedy_shape, "reference": "transformers DeepseekV3ForCausalLM float32 eager, generate "
-                    "do_sample=False, no eos", "by_dtype": {}}
-        out["greedy_check"] = gc
-        print("[peer_engines] greedy reference (transformers) ...", file=sys.stderr, flush=True)
-        ref_rec = runner.run("greedy_transformers", sys.executable, "transformers",
-                             {"mode": "greedy", "checkpoint": ckpt, "dtype": "float32", "prompts_file": greedy_file,
-                              "new": greedy_shape["new"], "threads": args.threads}, {})
-        gc["reference_run"] = {k: v for k, v in ref_rec.items() if k != "result"}
-        if "result" not in ref_rec:
-            fail("greedy/transformers", ref_rec)
-        else:
-            ref = ref_rec["result"]
-            gc["reference_run"]["tokens"] = ref["tokens"]
-            gc["reference_run"]["attn_implementation"] = ref["attn_implementation"]
-            for dtype in dtypes:
-                per = gc["by_dtype"].setdefault(dtype, {})
-                for key in arm_keys:
-                    rec = launch(key, f"greedy/{dtype}/{key}", spec_for(key, dtype, greedy_shape, greedy_file, "greedy"))
-                    if "result" not in rec:
-                        per[key] = {"error": rec.get("error"), "exit_status": rec.get("exit_status"),
-                                    "stderr_tail": rec.get("stderr_tail", "")[-1500:]}
-                    else:
-                        per[key] = {**compare_greedy(ref, rec["result"]), "tokens_got": rec["result"]["tokens"],
-                                    "exit_status": rec["exit_status"], "command": rec["command"]}
-                    save()
-
-    # throughput rounds
-    for r in range(args.rounds):
+def throughput_rounds(session: Session, arm_keys: list[str], workloads: list[str], dtypes: list[str], shapes: dict,
+                      prompt_files: dict) -> None:
+    """Every round runs every arm once per workload and dtype (the order reversed every round)."""
+    for r in range(session.args.rounds):
         for w in workloads:
             for dtype in dtypes:
-                cell = out["results"].setdefault(w, {}).setdefault(dtype, {"arms": {}})
+                cell = session.out["results"].setdefault(w, {}).setdefault(dtype, {"arms": {}})
                 for pos, key in enumerate(round_order(arm_keys, r)):
-                    rec = launch(key, f"round{r}/{w}/{dtype}/{key}",
-                                 spec_for(key, dtype, shapes[w], prompt_files[w], "throughput"))
+                    rec = session.launch(key, f"round{r}/{w}/{dtype}/{key}",
+                                         session.spec_for(key, dtype, shapes[w], prompt_files[w], "throughput"))
                     res = rec.get("result", {})
                     entry = {"round": r, "order_position": pos, "exit_status": rec.get("exit_status"),
                              "load_avg_1min_before": rec["load_avg_1min_before"],
@@ -911,40 +926,72 @@ def main(argv=None) -> dict:
                             entry[k] = rec[k][-3000:] if k == "stderr_tail" else rec[k]
                     cell["arms"].setdefault(key, {"rounds": []})["rounds"].append(entry)
                     summarize_cell(cell, arm_keys)
-                    save()
+                    session.save()
 
-    # transformers generate on wide, once per dtype
+
+def transformers_peer(session: Session, dtypes: list[str], shapes: dict, prompt_files: dict) -> None:
+    """transformers ``generate`` on wide, once per dtype, and each arm's ratio over it."""
+    args = session.args
+    for dtype in dtypes:
+        batch = args.transformers_batch or shapes["wide"]["prompts"]
+        print(f"[peer_engines] transformers/wide/{dtype} ...", file=sys.stderr, flush=True)
+        rec = session.runner.run(f"transformers_wide_{dtype}", sys.executable, "transformers",
+                                 {"mode": "throughput", "checkpoint": session.ckpt, "dtype": dtype,
+                                  "prompts_file": prompt_files["wide"], "new": shapes["wide"]["new"],
+                                  "threads": args.threads, "batch": batch}, {})
+        cell = session.out["results"]["wide"][dtype]
+        res = rec.get("result", {})
+        cell["transformers"] = {"tokens_per_s": res.get("tokens_per_s"), "wall_s": res.get("wall_s"),
+                                "tokens": res.get("tokens"), "batch": batch, "rounds": 1,
+                                "attn_implementation": res.get("attn_implementation"),
+                                "sampling": "do_sample, temperature 1, top_k off, top_p 1, no eos",
+                                "load_avg_1min_before": rec["load_avg_1min_before"],
+                                "exit_status": rec.get("exit_status"), "command": rec["command"]}
+        for arm_key, arm in cell["arms"].items():
+            if arm.get("median_tokens_per_s") and res.get("tokens_per_s"):
+                cell["transformers"].setdefault("arm_over_transformers", {})[arm_key] = \
+                    arm["median_tokens_per_s"] / res["tokens_per_s"]
+        if "result" not in rec:
+            cell["transformers"]["error"] = rec.get("error")
+            session.fail(f"transformers/wide/{dtype}", rec)
+        session.save()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.child:
+        run_child(args.child, args.spec, args.out)
+        return {}
+    workloads, arms, dtypes, shapes, greedy_shape = choices(args)
+    needs_vllm, preload, vllm_env = peer_environment(args, arms)
+    arm_keys, arm_defs, notes = arm_definitions(args, arms, preload, vllm_env)
+    work = args.work_dir or tempfile.mkdtemp(prefix="peer_engines_")
+    warmup = dict(prompts=args.warmup_prompts, prompt_len=args.warmup_prompt_len, new=WARMUP["new"])
+    os.makedirs(work, exist_ok=True)
+    out: dict = {
+        "benchmark": "peer_engines",
+        "command": " ".join(["python benchmarks/peer_engines.py"] + [shlex.quote(a) for a in (argv or sys.argv[1:])]),
+        "machine": machine_facts(args.vllm_python if needs_vllm else None),
+        "settings": {"workloads": {w: {**s, "samples": s["prompts"] * s["n"], "tokens": s["prompts"] * s["n"] * s["new"]}
+                                   for w, s in shapes.items()},
+                     "arm_keys": arm_keys, "dtypes": dtypes, "rounds": args.rounds, "threads": args.threads,
+                     "splash_env": args.splash_env, "quick": args.quick, "seed": args.seed,
+                     "warmup": warmup, "greedy": None if args.no_greedy_check else greedy_shape,
+                     "order": "each round runs every arm once, each a fresh process; the order reverses every round",
+                     "timed": "one generate call of the whole workload; start-up and warm-up not timed"},
+        "arms": arm_defs, "notes": notes, "work_dir": work, "results": {}, "failures": []}
+    session = Session(args, out, Runner(work, args.arm_timeout, warmup), arm_defs)
+    built, prompt_files, greedy_file = prepare_inputs(session, work, shapes, greedy_shape)
+    if not args.no_greedy_check:
+        greedy_check(session, arm_keys, dtypes, greedy_shape, greedy_file)
+    throughput_rounds(session, arm_keys, workloads, dtypes, shapes, prompt_files)
     if not args.no_transformers and "wide" in workloads:
-        for dtype in dtypes:
-            batch = args.transformers_batch or shapes["wide"]["prompts"]
-            print(f"[peer_engines] transformers/wide/{dtype} ...", file=sys.stderr, flush=True)
-            rec = runner.run(f"transformers_wide_{dtype}", sys.executable, "transformers",
-                             {"mode": "throughput", "checkpoint": ckpt, "dtype": dtype, "prompts_file": prompt_files["wide"],
-                              "new": shapes["wide"]["new"], "threads": args.threads, "batch": batch}, {})
-            cell = out["results"]["wide"][dtype]
-            res = rec.get("result", {})
-            cell["transformers"] = {"tokens_per_s": res.get("tokens_per_s"), "wall_s": res.get("wall_s"),
-                                    "tokens": res.get("tokens"), "batch": batch, "rounds": 1,
-                                    "attn_implementation": res.get("attn_implementation"),
-                                    "sampling": "do_sample, temperature 1, top_k off, top_p 1, no eos",
-                                    "load_avg_1min_before": rec["load_avg_1min_before"],
-                                    "exit_status": rec.get("exit_status"), "command": rec["command"]}
-            for arm_key, arm in cell["arms"].items():
-                if arm.get("median_tokens_per_s") and res.get("tokens_per_s"):
-                    cell["transformers"].setdefault("arm_over_transformers", {})[arm_key] = \
-                        arm["median_tokens_per_s"] / res["tokens_per_s"]
-            if "result" not in rec:
-                cell["transformers"]["error"] = rec.get("error")
-                fail(f"transformers/wide/{dtype}", rec)
-            save()
-
+        transformers_peer(session, dtypes, shapes, prompt_files)
     if built and not args.keep_checkpoint:
         shutil.rmtree(built, ignore_errors=True)
         out["checkpoint"]["removed_after_run"] = True
-    save()
-    table = markdown(out)
-    out["table_markdown"] = table
-    save()
+    out["table_markdown"] = table = markdown(out)
+    session.save()
     print(table)
     if out["failures"]:
         print(f"\n{len(out['failures'])} run(s) failed: " + ", ".join(f["where"] for f in out["failures"]) +
