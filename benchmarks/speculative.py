@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+from splash_rollout.rollout.types import SamplingParams
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FULL = dict(sft_steps=300, grpo_steps=24, grpo_batch=None, prompts=8, n=8, max_new_tokens=224, max_chain=32, wide_prompts=64,
@@ -72,7 +74,7 @@ def tail_seconds(timeline: dict, fraction: float = TAIL_FRACTION) -> float:
     return float(sum(t1 - t0 for (t0, b0), (t1, _) in zip(curve, curve[1:]) if b0 <= fraction * peak))
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--quick", action="store_true")
@@ -85,23 +87,19 @@ def main() -> int:
     ap.add_argument("--numerics", default="reproducible", choices=("reproducible", "fast"),
                     help="the engine's numerics (the recipe's default: reproducible)")
     args = ap.parse_args()
-    p = dict(QUICK if args.quick else FULL)
-    if args.rounds:
-        p["rounds"] = args.rounds
+    if args.arms.split(",")[0] != "off":
+        ap.error("--arms: the first arm must be off (the reference the others are checked against)")
+    return args
 
-    import torch
 
-    torch.set_num_threads(args.threads)
-    from splash_rollout.engine.drafter import DRAFT_SOURCES
+def build_arms(args, p: dict, weights) -> tuple[dict, list[list[int]], tuple[int, ...]]:
+    """One engine per arm (the recipe's, one rank, TP) holding ``weights``; the prompts every round
+    draws from; the stop tokens."""
     from splash_rollout.recipes.grpo.build import build_engine, max_prompt_len
     from splash_rollout.recipes.grpo.task_data import build_task_data
     from splash_rollout.models.tokenizer import load_tokenizer
-    from splash_rollout.rollout.types import SamplingParams
     from splash_rollout.run import compose_config
 
-    work = tempfile.mkdtemp(prefix="spec_bench_")
-    policy_path = args.policy or train_policy(p, work, args.threads)
-    weights = torch.load(policy_path, map_location="cpu")
     overrides = ["+recipe=grpo_glm5", "engine.parallel.world_size=1", f"engine.compute.numerics={args.numerics}",
                  f"engine.batching.max_num_seqs={max(p['wide_prompts'], p['prompts'] * p['n'])}",
                  "engine.memory.memory_budget_gib=0.25", "engine.parallel.layout=tp",
@@ -110,38 +108,30 @@ def main() -> int:
     cfg = compose_config(overrides + [f"data.eval_size=0", f"data.seed=1234"])
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
     data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=calls)
-    prompts = [e.prompt_ids for e in data.train]
-    arms = args.arms.split(",")
-    if arms[0] != "off":
-        ap.error("--arms: the first arm must be off (the reference the others are checked against)")
     engines = {}
-    for arm in arms:
+    for arm in args.arms.split(","):
         speculation, _, draft = arm.partition(":")
         engines[arm] = build_engine(compose_config(overrides + [f"engine.compute.speculation={speculation}"]
                                                    + ([f"engine.compute.draft={draft}"] if draft else [])))
         engines[arm].update_weights(weights, version=1)
-    stop = tuple(tokenizer.eos_token_ids)
-    workloads = {
-        "long_tail": (p["prompts"], SamplingParams(n=p["n"], temperature=1.0, max_new_tokens=p["max_new_tokens"],
-                                                   stop_token_ids=stop)),
-        "wide": (p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16, stop_token_ids=stop,
-                                                   ignore_eos=True)),
-        "wide_queued": (4 * p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16,
-                                                              stop_token_ids=stop, ignore_eos=True))}
-    workloads = {name: workloads[name] for name in args.workloads.split(",")}
+    return engines, [e.prompt_ids for e in data.train], tuple(tokenizer.eos_token_ids)
+
+
+def run_rounds(engines: dict, workloads: dict, prompts: list[list[int]], rounds: int) -> tuple[dict, list[float]]:
+    """Every round, every workload's calls on every arm, alternated; each arm's tokens checked equal to
+    off's. Returns the per-call records by workload and arm, and the load averages seen."""
+    arms = list(engines)
     results: dict = {name: {arm: [] for arm in arms} for name in workloads}
-    cursor = 0
-    loads = []
-    for rnd in range(p["rounds"]):
+    cursor, loads = 0, []
+    for rnd in range(rounds):
         for name, (count, params) in workloads.items():
             batch_prompts = prompts[cursor: cursor + count]
             cursor += count
             tokens = {}
             for arm in arms:
-                eng = engines[arm]
                 params_r = SamplingParams(**{**params.__dict__, "seed": 1000 + rnd})
                 t0 = time.perf_counter()
-                batch = eng.generate(batch_prompts, params_r)
+                batch = engines[arm].generate(batch_prompts, params_r)
                 wall = time.perf_counter() - t0
                 steps = int(batch.metrics["perf/steps"])
                 generated = sum(len(s.response_ids) for s in batch.samples)
@@ -158,39 +148,72 @@ def main() -> int:
             for arm in arms[1:]:
                 if tokens[arm] != tokens["off"]:
                     raise SystemExit(f"round {rnd} {name}: speculation {arm} changed the tokens")
+    return results, loads
 
-    def med(rows, key):
-        return float(np.median([r[key] for r in rows]))
 
-    def by_source(rows):
-        """Per draft source: verified drafts and tokens a verified row yielded, over the rounds."""
-        out = {}
-        for src in DRAFT_SOURCES:
-            v = sum(r[f"spec/verified/{src}"] for r in rows)
-            kept = sum(r[f"spec/acceptance_len/{src}"] * r[f"spec/verified/{src}"] for r in rows)
-            out[src] = {"verified": v, "acceptance_len": kept / v if v else 0.0}
-        return out
+def _median(rows, key) -> float:
+    return float(np.median([r[key] for r in rows]))
 
+
+def _by_source(rows) -> dict:
+    """Per draft source: verified drafts and tokens a verified row yielded, over the rounds."""
+    from splash_rollout.engine.drafter import DRAFT_SOURCES
+
+    out = {}
+    for src in DRAFT_SOURCES:
+        v = sum(r[f"spec/verified/{src}"] for r in rows)
+        kept = sum(r[f"spec/acceptance_len/{src}"] * r[f"spec/verified/{src}"] for r in rows)
+        out[src] = {"verified": v, "acceptance_len": kept / v if v else 0.0}
+    return out
+
+
+def summarize(results: dict) -> dict:
+    """Per workload: each arm's median wall, tail and passes per token; per arm against off, the
+    ratios, acceptance, the share of steps that drafted, acceptance by position and by source."""
     summary = {}
     for name, by_arm in results.items():
         off = by_arm["off"]
-        summary[name] = {"median_wall_s": {a: med(r, "wall_s") for a, r in by_arm.items()},
-                         "median_tail_s": {a: med(r, "tail_s") for a, r in by_arm.items()},
-                         "forward_passes_per_token": {a: med(r, "forward_passes_per_token") for a, r in by_arm.items()}}
-        for arm in arms[1:]:
-            on = by_arm[arm]
+        summary[name] = {"median_wall_s": {a: _median(r, "wall_s") for a, r in by_arm.items()},
+                         "median_tail_s": {a: _median(r, "tail_s") for a, r in by_arm.items()},
+                         "forward_passes_per_token": {a: _median(r, "forward_passes_per_token")
+                                                      for a, r in by_arm.items()}}
+        for arm, on in list(by_arm.items())[1:]:
             summary[name][arm] = {
-                "wall_ratio_off_over_arm": med(off, "wall_s") / med(on, "wall_s"),
-                "tail_ratio_off_over_arm": med(off, "tail_s") / max(med(on, "tail_s"), 1e-9),
-                "acceptance_len": med(on, "spec/acceptance_len"),
+                "wall_ratio_off_over_arm": _median(off, "wall_s") / _median(on, "wall_s"),
+                "tail_ratio_off_over_arm": _median(off, "tail_s") / max(_median(on, "tail_s"), 1e-9),
+                "acceptance_len": _median(on, "spec/acceptance_len"),
                 "accepted_per_drafted": (sum(r["spec/accepted_tokens"] for r in on)
                                          / max(1.0, sum(r["spec/draft_tokens"] for r in on))),
                 "steps_on_share": sum(r["spec/steps_on"] for r in on) / max(1, sum(r["steps"] for r in on)),
-                "accepted_at": {j: med([r for r in on if f"spec/accepted_at/{j}" in r], f"spec/accepted_at/{j}")
+                "accepted_at": {j: _median([r for r in on if f"spec/accepted_at/{j}" in r], f"spec/accepted_at/{j}")
                                 for j in range(1, 9) if any(f"spec/accepted_at/{j}" in r for r in on)},
-                "by_source": by_source(on)}
-    out = {"params": p, "policy": policy_path, "threads": args.threads, "numerics": args.numerics, "load_1min": [min(loads), max(loads)],
-           "tokens_equal": True, "summary": summary, "rounds": results,
+                "by_source": _by_source(on)}
+    return summary
+
+
+def main() -> int:
+    args = parse_args()
+    p = dict(QUICK if args.quick else FULL)
+    if args.rounds:
+        p["rounds"] = args.rounds
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = tempfile.mkdtemp(prefix="spec_bench_")
+    policy_path = args.policy or train_policy(p, work, args.threads)
+    engines, prompts, stop = build_arms(args, p, torch.load(policy_path, map_location="cpu"))
+    workloads = {
+        "long_tail": (p["prompts"], SamplingParams(n=p["n"], temperature=1.0, max_new_tokens=p["max_new_tokens"],
+                                                   stop_token_ids=stop)),
+        "wide": (p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16, stop_token_ids=stop,
+                                                   ignore_eos=True)),
+        "wide_queued": (4 * p["wide_prompts"], SamplingParams(n=1, temperature=1.0, max_new_tokens=16,
+                                                              stop_token_ids=stop, ignore_eos=True))}
+    workloads = {name: workloads[name] for name in args.workloads.split(",")}
+    results, loads = run_rounds(engines, workloads, prompts, p["rounds"])
+    summary = summarize(results)
+    out = {"params": p, "policy": policy_path, "threads": args.threads, "numerics": args.numerics,
+           "load_1min": [min(loads), max(loads)], "tokens_equal": True, "summary": summary, "rounds": results,
            "command": "python benchmarks/speculative.py" + (" --quick" if args.quick else "")}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
@@ -198,7 +221,6 @@ def main() -> int:
     for eng in engines.values():
         eng.shutdown()
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

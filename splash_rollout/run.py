@@ -20,9 +20,9 @@ except ModuleNotFoundError as e:  # the engine installs without the recipe's sta
     raise ModuleNotFoundError(f"python -m splash_rollout.run needs the GRPO recipe's stack ({e.name} is not installed): "
                               f"pip install \"splash_rollout[rl]\"", name=e.name) from e
 
+from splash_rollout.conf import CONFIG_DIR as CONF_DIR  # noqa: E402
 from splash_rollout.recipes.engine_config import register_engine_fields  # noqa: E402
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 register_engine_fields()
 
 
@@ -66,7 +66,7 @@ def launch(cfg: DictConfig, run_dir: str):
     return None
 
 
-@hydra.main(config_path="conf", config_name="config", version_base=None)
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -25,9 +25,9 @@ except ModuleNotFoundError as e:  # the engine installs without the Hydra stack
     raise ModuleNotFoundError(f"python -m splash_rollout.serve needs Hydra ({e.name} is not installed): "
                               f"pip install \"splash_rollout[rl,serve]\"", name=e.name) from e
 
+from splash_rollout.conf import CONFIG_DIR as CONF_DIR  # noqa: E402
 from splash_rollout.recipes.engine_config import register_engine_fields  # noqa: E402
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 register_engine_fields()
 
 
