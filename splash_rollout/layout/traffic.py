@@ -196,12 +196,12 @@ BY_LAYOUT = {Layout.TP: tp, Layout.DP: dp, Layout.DOP: dop, Layout.CP: cp}
 """Each layout's per-layer account (the executors' ``traffic``)."""
 
 
-def step_collectives(layout: Layout, shape: StepShape, indexer_layers: int, layers: int) -> dict[tuple[str, str], list[int]]:
-    """Bytes of a whole step by (tag, op): [sent per rank..., received per rank...] summed over its
-    ``layers`` decoder layers, ``indexer_layers`` of which have a DSA indexer."""
-    t = shape.world_size
+def step_totals(per_layer: list[Collective], layers: int, indexer_layers: int) -> dict[tuple[str, str], list[int]]:
+    """Bytes of a whole step by (tag, op): [sent per rank..., received per rank...] of ``per_layer``
+    summed over its ``layers`` decoder layers, ``indexer_layers`` of which have a DSA indexer."""
     out: dict[tuple[str, str], list[int]] = {}
-    for c in BY_LAYOUT[layout](shape):
+    for c in per_layer:
+        t = len(c.sent)
         times = indexer_layers if c.indexer_layers_only else layers
         acc = out.setdefault((c.tag, c.op), [0] * (2 * t))
         for r in range(t):

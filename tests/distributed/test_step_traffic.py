@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from splash_rollout.layout.traffic import TAGS, step_collectives
+from splash_rollout.layout.traffic import TAGS, step_totals
 from splash_rollout.models.numerics import numerics
 from tests.distributed.layout_cases import MODELS, build_group_engine, make_requests
 
@@ -29,7 +29,7 @@ def measured_against_account(ctx, model: str, layout: str, feed_forward: str, mo
             engine.comm.counter.reset()
             engine.serve(None, max_steps=1)
             steps += 1
-            account = step_collectives(engine.layout, _shape(engine, batches[-1]), indexer_layers, layers)
+            account = step_totals(engine.step_traffic(batches[-1]), layers, indexer_layers)
             t, r = ctx.world_size, ctx.rank
             moved = {key: both for key, both in engine.comm.counter.by_op.items() if key[0] in TAGS and any(both)}
             stated = {key: [v[r], v[t + r]] for key, v in account.items() if v[r] or v[t + r]}
@@ -38,13 +38,6 @@ def measured_against_account(ctx, model: str, layout: str, feed_forward: str, mo
                                 f"{batches[-1].owners}): moved {moved}, stated {stated}")
         engine.abort_all()
     return problems + ([] if steps >= 3 else [f"rank {ctx.rank}: only {steps} steps ran"])
-
-
-def _shape(engine, batch):
-    from splash_rollout.engine.executors.base import element_bytes, step_shape
-
-    return step_shape(batch, engine.config, engine.world_size, engine.settings.parallel.feed_forward,
-                      element_bytes(engine.settings.dtype))
 
 
 @pytest.mark.parametrize("model,layout,feed_forward,mode", [
