@@ -9,6 +9,7 @@ and the ranks (replicas) end with the server.
     python -m splash_rollout.serve                                   # glm5-nano on 2 CPU ranks, port 8000
     python -m splash_rollout.serve serve.port=8001 engine.parallel.world_size=1 model.path=/models/ckpt
     python -m splash_rollout.serve engine.fleet.replicas=2 engine.parallel.world_size=1   # two replicas (Ray)
+    python -m splash_rollout.serve --cfg [overrides]                 # print the composed config, every field
 """
 from __future__ import annotations
 
@@ -100,8 +101,17 @@ def run(cfg: DictConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(args):
+        print(__doc__)
+        return
+    show = "--cfg" in args  # print the composed config (every engine.<group>.<field> with its value) and exit
+    overrides = [a for a in args if a != "--cfg"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(config_name="serve", overrides=list(sys.argv[1:] if argv is None else argv))
+        cfg = compose(config_name="serve", overrides=overrides)
+    if show:
+        print(OmegaConf.to_yaml(cfg))
+        return
     run(cfg)
 
 

@@ -121,3 +121,15 @@ def test_the_hydra_engine_tree_is_made_from_the_groups_and_restates_no_default()
     for group in GROUPS:
         for name, value in (chosen.get(group) or {}).items():
             assert value != fields[group][name], f"default.yaml restates engine.{group}.{name}: {value!r}"
+
+
+def test_the_server_entry_explains_itself_and_prints_its_composed_config(capsys):
+    """``python -m splash_rollout.serve --help`` prints its usage and ``--cfg`` the composed config
+    (every engine field, with the overrides), neither starting an engine."""
+    from splash_rollout.serve.__main__ import main
+
+    main(["--help"])
+    assert "python -m splash_rollout.serve [overrides]" in capsys.readouterr().out
+    main(["--cfg", "serve.port=8123", "engine.compute.max_draft_tokens=3"])
+    shown = capsys.readouterr().out
+    assert "port: 8123" in shown and "max_draft_tokens: 3" in shown and "init_growth_ratio: 0.7" in shown
