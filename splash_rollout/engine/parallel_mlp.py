@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splash_rollout.layout.arith import div_even
+from splash_rollout.layout.arith import div_even, even_split
 from splash_rollout.layout.footprint import FEED_FORWARD_PLACEMENTS
 from splash_rollout.models.moe import DenseMLP, MoE, run_experts
 from splash_rollout.models.numerics import linear
@@ -132,12 +132,6 @@ def on_owned_rows(mlp: nn.Module, x: torch.Tensor, comm, order: torch.Tensor, co
     batch_order[order] = every  # the shard's router and experts see rows in batch order
     partial = mlp.shard(batch_order)  # [N, hidden]; float64 under reproducible numerics
     return comm.reduce_scatter_uneven(partial[order], counts, tag="step/mlp").to(x.dtype)
-
-
-def even_split(n: int, world_size: int) -> list[int]:
-    """n rows in world_size contiguous blocks whose sizes differ by at most one (the larger first)."""
-    base, extra = divmod(n, world_size)
-    return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
 def shard_feed_forward(model: nn.Module, rank: int, world_size: int, comm) -> None:

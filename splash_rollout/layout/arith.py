@@ -14,3 +14,9 @@ def div_even(a: int, b: int) -> int:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def even_split(n: int, parts: int) -> list[int]:
+    """n rows in ``parts`` contiguous blocks whose sizes differ by at most one (the larger first)."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]

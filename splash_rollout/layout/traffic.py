@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splash_rollout.layout.arith import even_split
 from splash_rollout.layout.layouts import Layout
 
 TAGS = ("step/attn", "step/mlp")
@@ -137,19 +138,15 @@ def from_owners(tag: str, rows: tuple[int, ...], row_bytes: int) -> Collective:
     return Collective(tag, "all_to_all", back.received, back.sent)
 
 
-def even_rows(n: int, t: int) -> tuple[int, ...]:
-    """n rows in t contiguous blocks whose sizes differ by at most one (the larger first)."""
-    base, extra = divmod(n, t)
-    return tuple(base + (1 if r < extra else 0) for r in range(t))
-
-
 def feed_forward(shape: StepShape, rows_stay_with_owners: bool) -> list[Collective]:
     """The feed-forward block's collectives (per layer)."""
     t, w, row = shape.world_size, shape.widths, shape.hidden
     if t == 1:
         return []
-    if shape.feed_forward == "replicated":
-        return [] if rows_stay_with_owners else [all_gather("step/mlp", even_rows(shape.rows, t), row * w.activation)]
+    if shape.feed_forward == "replicated":  # each row computed whole on one rank: its owner, or an even share
+        if rows_stay_with_owners:
+            return []
+        return [all_gather("step/mlp", tuple(even_split(shape.rows, t)), row * w.activation)]
     if rows_stay_with_owners:
         return [all_gather("step/mlp", shape.owned_rows, row * w.activation),
                 reduce_scatter("step/mlp", shape.owned_rows, row * w.partial)]
