@@ -124,6 +124,9 @@ class MemoryOptions:
             raise ValueError(f"num_pages: expected >= 1, got {self.num_pages}")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission: expected one of {ADMISSION_MODES}, got {self.admission!r}")
+        for name in ("init_growth_ratio", "min_growth_ratio"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a number in [0, 1], got {getattr(self, name)!r}")
         if not 0.0 <= self.min_growth_ratio <= self.init_growth_ratio <= 1.0:
             raise ValueError(f"init_growth_ratio: expected 0 <= min_growth_ratio <= init_growth_ratio <= 1, got "
                              f"min_growth_ratio={self.min_growth_ratio}, init_growth_ratio={self.init_growth_ratio}")
@@ -262,8 +265,8 @@ class ComputeOptions:
             raise ValueError(f"max_draft_tokens: expected None or an integer >= 1, got {self.max_draft_tokens!r}")
         if self.draft not in DRAFT_SOURCES:
             raise ValueError(f"draft: expected one of {DRAFT_SOURCES}, got {self.draft!r}")
-        buckets = tuple(self.decode_buckets)
-        if not all(is_int(b) and b >= 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        buckets = tuple(self.decode_buckets) if isinstance(self.decode_buckets, (list, tuple)) else None
+        if buckets is None or not all(is_int(b) and b >= 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"decode_buckets: expected increasing positive integers, got {self.decode_buckets!r}")
         object.__setattr__(self, "decode_buckets", buckets)  # a YAML list becomes the tuple
         for name in ("cpu_share", "flush_denormal", "retain_heap", "pack_weights"):

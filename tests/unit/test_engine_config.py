@@ -57,6 +57,11 @@ def test_flat_names_land_in_their_groups_and_match_the_grouped_form():
     ({"parallel": {"feed_forward": "split"}}, ValueError, r"parallel\.feed_forward: expected one of"),
     ({"parallel": {"world_size": 2, "feed_forward": "replicated"}, "outputs": {"return_routing": True}}, ValueError,
      r"return_routing needs feed_forward='sharded' on more than one rank"),
+    ({"compute": {"decode_buckets": 8}}, ValueError, r"compute\.decode_buckets: expected increasing positive"),
+    ({"compute": {"decode_buckets": [4, 2]}}, ValueError, r"compute\.decode_buckets: expected increasing positive"),
+    ({"memory": {"init_growth_ratio": "x"}}, ValueError, r"memory\.init_growth_ratio: expected a number in \[0, 1\]"),
+    ({"memory": {"min_growth_ratio": 0.9}}, ValueError, r"memory\.init_growth_ratio: expected 0 <= min_growth_ratio"),
+    ({"compute": {"max_draft_tokens": True}}, ValueError, r"compute\.max_draft_tokens: expected None or an integer"),
 ])
 def test_bad_options_are_refused_naming_the_group_and_field(kwargs, error, match):
     with pytest.raises(error, match=match):
