@@ -4,6 +4,7 @@ The edge where ``cfg`` (composed from ``conf/``) stops: everything past here tak
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -15,11 +16,13 @@ from splash_rollout.recipes.grpo.loss import GRPOLossConfig
 from splash_rollout.recipes.grpo.mtp_training import MTPTrainingConfig
 from splash_rollout.recipes.grpo.partial_rollout import PartialRolloutConfig
 from splash_rollout.recipes.grpo.process_credit import Supervision
+from splash_rollout.recipes.grpo.reward_fns import RewardOptions
 from splash_rollout.recipes.grpo.rollout_correction import RolloutCorrectionConfig
 from splash_rollout.recipes.grpo.schedule import LRSchedule
 from splash_rollout.recipes.grpo.sft import SFTConfig
 from splash_rollout.recipes.grpo.tool_env import CalculatorEnv, ToolConfig
 from splash_rollout.recipes.grpo.trainer import TrainerConfig
+from splash_rollout.config_fields import from_mapping
 from splash_rollout.models.config import PRESETS, resolve_model
 from splash_rollout.models.model import MLAForCausalLM
 from splash_rollout.recipes.engine_config import build_engine_or_fleet, engine_config, fleet_replicas, model_source
@@ -178,6 +181,16 @@ def lr_schedule(cfg: DictConfig) -> LRSchedule:
     return LRSchedule(lr=float(cfg.trainer.lr), kind=g.lr_schedule,
                       warmup_steps=int(g.warmup_steps), total_steps=int(g.steps),
                       min_lr_ratio=float(g.min_lr_ratio))
+
+
+def reward_options(cfg: DictConfig) -> RewardOptions:
+    """The ``reward`` group, typed: a misspelt or missing key is refused naming ``reward.<key>``."""
+    values = OmegaConf.to_container(cfg.reward, resolve=True)
+    missing = sorted({f.name for f in dataclasses.fields(RewardOptions)} - {k for k, v in values.items() if v is not None})
+    if missing:
+        raise ValueError(f"reward: {', '.join(f'reward.{k}' for k in missing)} not set (conf/reward/chain.yaml "
+                         f"lists every key)")
+    return from_mapping(RewardOptions, values, "reward")
 
 
 def eval_config(cfg: DictConfig) -> EvalConfig:

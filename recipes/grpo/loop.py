@@ -69,7 +69,7 @@ def train(cfg: DictConfig, run_dir: str, rank: int = 0, world_size: int = 1) -> 
             continue
         with timed(timings, "reward"):
             scored = run.rollout.rewards(groups)
-            rewards = torch.tensor(scored.reward, dtype=torch.float32).view(len(groups.batch.groups), cfg.grpo.n)
+            rewards = torch.tensor(scored.reward, dtype=torch.float32).view(len(groups.batch.groups), run.sampling.n)
             shaped, shape_stats = shape(run, rewards, groups.batch)  # overlong, KL in the reward
         advantages = run.supervision.advantages(shaped, scored, groups.batch, run.tokenizer)
         memory = run.engine_memory.before_train(engine)
@@ -120,7 +120,7 @@ def log_step(run: GRPORun, step: int, metrics: dict[str, float], groups: StepGro
     run.timelines.append((step, groups.batch.timeline.to_dict()))
     if run.samples_file is not None:
         write_samples(run.samples_file, step, groups.batch, groups.examples, rewards, run.tokenizer,
-                      run.cfg.logger.samples_per_step)
+                      run.samples_per_step)
     if run.rank == 0:
         print(f"[grpo] step {step:3d} reward {metrics['reward/mean']:.3f} acc {metrics['reward/accuracy']:.3f} "
               f"len {metrics['rollout/response_len/mean']:.1f}/{metrics['rollout/response_len/max']:.0f} "
@@ -150,7 +150,7 @@ def finish(run: GRPORun) -> dict[str, Any]:
         sink.log_image("timeline/plot", png, at)
         sink.log_image("reward/plot", plot_reward(os.path.join(run_dir, "reward.png"), history, run.ma_window, paired),
                        at)
-        summary.update(**reward_summary([h for h in history if "reward/mean" in h], run.cfg.grpo.summary_window),
+        summary.update(**reward_summary([h for h in history if "reward/mean" in h], run.summary_window),
                        **eval_summary(history), **run.data.metrics(), total_s=time.perf_counter() - run.t_start)
         if paired:
             summary["eval/paired"] = paired

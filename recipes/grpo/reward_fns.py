@@ -27,13 +27,38 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from omegaconf import DictConfig
-
 from splash_rollout.recipes.grpo.reward import chain_score, chain_steps, parse_answer, score
 from splash_rollout.recipes.grpo.task_data import Example
 from splash_rollout.recipes.grpo.verifiers import exact_match, math_answer, reasoning_gym_score
 
 BUILTINS = ("chain", "answer", "exact_match", "math", "reasoning_gym")
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """The recipe's ``reward`` group, typed (its values and their meaning: ``conf/reward/chain.yaml``,
+    which owns the defaults; ``recipes/grpo/build.reward_options`` makes this from it)."""
+
+    fn: str
+    """A built-in (``BUILTINS``) or ``package.module:function``."""
+    batched: bool
+    """Your own fn only: one call per step with lists (responses, rows, token_ids) -> list."""
+    correct_threshold: float
+    """A sample counts as correct when its reward is at least this, unless the fn returns ``correct``."""
+    answer_weight: float
+    """``chain``: weight of the final answer; the rest is the fraction of right steps."""
+    format_reward: float
+    """``answer``: reward of a well-formed wrong answer."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fn, str) or not self.fn:
+            raise ValueError(f"fn: expected one of {BUILTINS} or 'package.module:function', got {self.fn!r}")
+        if not isinstance(self.batched, bool):
+            raise ValueError(f"batched: expected True or False, got {self.batched!r}")
+        for name in ("correct_threshold", "answer_weight", "format_reward"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name}: expected a number, got {value!r}")
 
 
 class RewardFnError(ImportError):
@@ -57,7 +82,7 @@ class Rewards:
     when the function scores steps (process supervision); None when no sample has them."""
 
 
-def _builtin(name: str, r: DictConfig) -> Callable[[str, Example, list[int]], Any]:
+def _builtin(name: str, r: RewardOptions) -> Callable[[str, Example, list[int]], Any]:
     if name == "chain":  # answer + exact intermediate steps of the arithmetic chain
         return lambda text, ex, ids: {"reward": chain_score(text, ex.label, ex.row["solution"], r.answer_weight),
                                       "correct": float(parse_answer(text) == int(ex.label)),
@@ -98,13 +123,13 @@ def import_reward_fn(path: str) -> Callable:
 class RewardFunction:
     """Scores a step's samples with ``reward.fn`` (see the module docstring)."""
 
-    def __init__(self, r: DictConfig) -> None:
-        self.name = str(r.fn)
+    def __init__(self, r: RewardOptions) -> None:
+        self.name = r.fn
         self.correct_threshold = float(r.correct_threshold)
         if self.name in BUILTINS:
             self._fn, self.user, self.batched = _builtin(self.name, r), False, False
         else:
-            self._fn, self.user, self.batched = import_reward_fn(self.name), True, bool(r.batched)
+            self._fn, self.user, self.batched = import_reward_fn(self.name), True, r.batched
 
     def _raw(self, responses: list[str], examples: Sequence[Example], token_ids: list[list[int]]) -> list[Any]:
         if not self.user:

@@ -25,8 +25,8 @@ from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.recipes.grpo import checkpoint as ckpt
 from splash_rollout.recipes.grpo.build import (build_engine_with_weights, check_fleet_options, build_policy, eval_config, load_policy_state, load_reference,
                                                loss_config, lr_schedule, max_prompt_len, model_source,
-                                               mtp_training_config, oversample_config, partial_rollout_config, sft_config,
-                                               supervision_config, tool_env, trainer_config)
+                                               mtp_training_config, oversample_config, partial_rollout_config,
+                                               reward_options, sft_config, supervision_config, tool_env, trainer_config)
 from splash_rollout.recipes.grpo.engine_memory import EngineMemory
 from splash_rollout.recipes.grpo.evaluation import EvalConfig, evaluate_per_prompt
 from splash_rollout.recipes.grpo.loss import GRPOLossConfig
@@ -95,6 +95,16 @@ class GRPORun:
     def ma_window(self) -> int:
         """reward/mean_ma: the trailing mean over this many steps."""
         return max(1, int(self.cfg.grpo.summary_window))
+
+    @property
+    def summary_window(self) -> int:
+        """summary.json's first / last reward means: over this many steps."""
+        return int(self.cfg.grpo.summary_window)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples written to samples.jsonl per step (``logger.samples_per_step``)."""
+        return int(self.cfg.logger.samples_per_step)
 
     @property
     def eval_file(self) -> str:
@@ -220,7 +230,7 @@ def check_run(cfg: DictConfig) -> Checked:
     made) before any training or rollout."""
     g, s = cfg.grpo, cfg.sft
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_source(cfg))
-    reward_fn = RewardFunction(cfg.reward)
+    reward_fn = RewardFunction(reward_options(cfg))
     evaluation = eval_config(cfg)
     sft_cfg = sft_config(cfg)
     do_sft = not cfg.get("resume") and not s.load and sft_cfg.steps > 0

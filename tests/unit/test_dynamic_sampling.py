@@ -35,11 +35,12 @@ class _Ex:
 
 
 def test_scorer_keeps_scores_of_kept_groups_in_their_order():
+    from splash_rollout.recipes.grpo.build import reward_options
     from splash_rollout.recipes.grpo.reward_fns import RewardFunction
     from splash_rollout.run import compose_config
 
-    fn = RewardFunction(compose_config(["+recipe=grpo_glm5",
-                                        "reward.fn=tests.unit.test_dynamic_sampling:parity_reward"]).reward)
+    fn = RewardFunction(reward_options(compose_config(["+recipe=grpo_glm5",
+                                                       "reward.fn=tests.unit.test_dynamic_sampling:parity_reward"])))
     scorer = GroupScorer(fn, [_Ex(), _Ex(), _Ex()], _Tok(), "std")
     group = lambda i, lens: SampleGroup(i, [Sample([1], [7] * n, [0.0] * n, "stop", 0) for n in lens])  # noqa: E731
     assert scorer(group(0, [1, 2])) and not scorer(group(1, [2, 4])) and scorer(group(2, [2, 3]))

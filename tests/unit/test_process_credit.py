@@ -6,14 +6,13 @@ import textwrap
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from splash_rollout.models.tokenizer import load_tokenizer
 from splash_rollout.recipes.grpo.loss import grpo_loss
 from splash_rollout.recipes.grpo.process_credit import (Supervision, process_advantages, steps_of_tokens,
                                                         token_starts)
 from splash_rollout.recipes.grpo.reward import chain_steps
-from splash_rollout.recipes.grpo.reward_fns import RewardError, RewardFunction
+from splash_rollout.recipes.grpo.reward_fns import RewardError, RewardFunction, RewardOptions
 from splash_rollout.recipes.grpo.task_data import Example
 
 REF = "3+4=7,7-2=5,5+1=6#6"
@@ -63,8 +62,8 @@ def test_per_token_advantages_equal_per_sample_ones_when_constant():
 
 
 def _reward(fn):
-    return RewardFunction(OmegaConf.create({"fn": fn, "batched": False, "correct_threshold": 1.0,
-                                            "answer_weight": 0.5, "format_reward": 0.1}))
+    return RewardFunction(RewardOptions(fn=fn, batched=False, correct_threshold=1.0, answer_weight=0.5,
+                                        format_reward=0.1))
 
 
 def test_chain_reward_returns_steps_and_bad_user_steps_are_named(tmp_path, monkeypatch):

@@ -58,6 +58,11 @@ def test_unimportable_reward_fn(task):
     assert info.type is RewardFnError and "cannot import 'not_there_at_all'" in str(info.value)
 
 
+def test_bad_reward_option(task):
+    info = run(task, "reward.answer_weight=half")
+    assert info.type is ValueError and "reward.answer_weight: expected a number, got 'half'" in str(info.value)
+
+
 def test_empty_eval_split(task):
     info = run(task, "data.eval_fraction=0")
     assert info.type is EmptySplitError and "eval split is empty" in str(info.value)

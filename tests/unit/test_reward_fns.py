@@ -6,16 +6,15 @@ import sys
 import textwrap
 
 import pytest
-from omegaconf import OmegaConf
 
-from splash_rollout.recipes.grpo.reward_fns import RewardError, RewardFnError, RewardFunction
+from splash_rollout.recipes.grpo.reward_fns import RewardError, RewardFnError, RewardFunction, RewardOptions
 from splash_rollout.recipes.grpo.task_data import Example
 from splash_rollout.recipes.grpo.verifiers import exact_match, last_boxed, math_answer, normalize_answer
 
 
 def reward(fn, **kw):
-    return RewardFunction(OmegaConf.create({"fn": fn, "batched": False, "correct_threshold": 1.0,
-                                            "answer_weight": 0.5, "format_reward": 0.1, **kw}))
+    return RewardFunction(RewardOptions(**{"fn": fn, "batched": False, "correct_threshold": 1.0,
+                                           "answer_weight": 0.5, "format_reward": 0.1, **kw}))
 
 
 def ex(label, row=None, index=0):
