@@ -309,7 +309,7 @@ def record(policy: str, calls: int, threads: int) -> tuple[list[list[dict]], lis
     torch.set_num_threads(threads)
     import splash_rollout.rollout.engine as rollout_engine
     from splash_rollout.models.tokenizer import load_tokenizer
-    from splash_rollout.recipes.grpo.build import build_engine, max_prompt_len
+    from splash_rollout.recipes.grpo.build import build_engine, data_options, max_prompt_len
     from splash_rollout.recipes.grpo.task_data import build_task_data
     from splash_rollout.rollout.types import SamplingParams
     from splash_rollout.run import compose_config
@@ -319,7 +319,7 @@ def record(policy: str, calls: int, threads: int) -> tuple[list[list[dict]], lis
                  "grpo.max_new_tokens=224", "eval.every=0"]
     cfg = compose_config(overrides + ["data.eval_size=0", "data.seed=1234"])
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-    data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=8 * calls)
+    data = build_task_data(data_options(cfg), tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=8 * calls)
     prompts = [e.prompt_ids for e in data.train]
     weights = torch.load(policy, map_location="cpu")
     logs: dict[str, list[dict]] = {"off": [], "always": []}

@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
 def build_arms(args, p: dict, weights) -> tuple[dict, list[list[int]], tuple[int, ...]]:
     """One engine per arm (the recipe's, one rank, TP) holding ``weights``; the prompts every round
     draws from; the stop tokens."""
-    from splash_rollout.recipes.grpo.build import build_engine, max_prompt_len
+    from splash_rollout.recipes.grpo.build import build_engine, data_options, max_prompt_len
     from splash_rollout.recipes.grpo.task_data import build_task_data
     from splash_rollout.models.tokenizer import load_tokenizer
     from splash_rollout.run import compose_config
@@ -107,7 +107,7 @@ def build_arms(args, p: dict, weights) -> tuple[dict, list[list[int]], tuple[int
     calls = p["rounds"] * (p["prompts"] + 5 * p["wide_prompts"])
     cfg = compose_config(overrides + [f"data.eval_size=0", f"data.seed=1234"])
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name)
-    data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=calls)
+    data = build_task_data(data_options(cfg), tokenizer, max_prompt_len(cfg), need_eval=False, fresh_prompts=calls)
     engines = {}
     for arm in args.arms.split(","):
         speculation, _, draft = arm.partition(":")

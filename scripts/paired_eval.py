@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from splash_rollout.recipes.grpo.build import (build_engine_with_weights, max_prompt_len, model_source,  # noqa: E402
-                                               reward_options)
+                                               data_options, reward_options)
 from splash_rollout.recipes.grpo.evaluation import mcnemar_exact_p  # noqa: E402
 from splash_rollout.recipes.grpo.reward_fns import RewardFunction  # noqa: E402
 from splash_rollout.recipes.grpo.task_data import build_task_data  # noqa: E402
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--first/--last: no policy {name!r}; expected one of {sorted(found)}")
 
     tokenizer = load_tokenizer(cfg.model.tokenizer or model_source(cfg))
-    data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=True, sft_examples=0, fresh_prompts=0)
+    data = build_task_data(data_options(cfg), tokenizer, max_prompt_len(cfg), need_eval=True, sft_examples=0, fresh_prompts=0)
     examples = data.eval[:cfg.eval.max_prompts] if cfg.eval.get("max_prompts") else data.eval
     reward_fn = RewardFunction(reward_options(cfg))
     correct = {}

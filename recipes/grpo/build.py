@@ -20,6 +20,7 @@ from splash_rollout.recipes.grpo.reward_fns import RewardOptions
 from splash_rollout.recipes.grpo.rollout_correction import RolloutCorrectionConfig
 from splash_rollout.recipes.grpo.schedule import LRSchedule
 from splash_rollout.recipes.grpo.sft import SFTConfig
+from splash_rollout.recipes.grpo.task_data import DataOptions
 from splash_rollout.recipes.grpo.tool_env import CalculatorEnv, ToolConfig
 from splash_rollout.recipes.grpo.trainer import TrainerConfig
 from splash_rollout.config_fields import from_mapping
@@ -181,6 +182,12 @@ def lr_schedule(cfg: DictConfig) -> LRSchedule:
     return LRSchedule(lr=float(cfg.trainer.lr), kind=g.lr_schedule,
                       warmup_steps=int(g.warmup_steps), total_steps=int(g.steps),
                       min_lr_ratio=float(g.min_lr_ratio))
+
+
+def data_options(cfg: DictConfig) -> DataOptions:
+    """The ``data`` group, typed: an unknown key is refused naming ``data``, a mandatory one left
+    unset (``???``) names itself."""
+    return from_mapping(DataOptions, OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=True), "data")
 
 
 def reward_options(cfg: DictConfig) -> RewardOptions:

@@ -26,7 +26,8 @@ from splash_rollout.recipes.grpo import checkpoint as ckpt
 from splash_rollout.recipes.grpo.build import (build_engine_with_weights, check_fleet_options, build_policy, eval_config, load_policy_state, load_reference,
                                                loss_config, lr_schedule, max_prompt_len, model_source,
                                                mtp_training_config, oversample_config, partial_rollout_config,
-                                               reward_options, sft_config, supervision_config, tool_env, trainer_config)
+                                               data_options, reward_options, sft_config, supervision_config, tool_env,
+                                               trainer_config)
 from splash_rollout.recipes.grpo.engine_memory import EngineMemory
 from splash_rollout.recipes.grpo.evaluation import EvalConfig, evaluate_per_prompt
 from splash_rollout.recipes.grpo.loss import GRPOLossConfig
@@ -36,7 +37,7 @@ from splash_rollout.recipes.grpo.partial_rollout import Carry
 from splash_rollout.recipes.grpo.reward_fns import RewardFunction
 from splash_rollout.recipes.grpo.sft import SFTConfig, run_sft
 from splash_rollout.recipes.grpo.step_rollout import StepRollout
-from splash_rollout.recipes.grpo.task_data import PromptOrder, TaskData, build_task_data
+from splash_rollout.recipes.grpo.task_data import DataOptions, PromptOrder, TaskData, build_task_data
 from splash_rollout.recipes.grpo.tool_demos import sft_target
 from splash_rollout.recipes.grpo.mtp_training import MTPTrainer
 from splash_rollout.recipes.grpo.trainer import Trainer
@@ -219,6 +220,7 @@ class Checked:
     tools: Any
     """The multi-turn calculator environment (``tool.*``), or None."""
     partial: Any
+    data_options: DataOptions
     data: Any
     schedule: Any
     losses: GRPOLossConfig
@@ -239,7 +241,8 @@ def check_run(cfg: DictConfig) -> Checked:
     partial = partial_rollout_config(cfg)
     check_fleet_options(cfg, oversample, partial, tools)
     mtp_training_config(cfg)
-    data = build_task_data(cfg.data, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
+    options = data_options(cfg)
+    data = build_task_data(options, tokenizer, max_prompt_len(cfg), need_eval=evaluation.enabled,
                            sft_examples=sft_cfg.steps * sft_cfg.batch_size if do_sft else 0,
                            fresh_prompts=g.steps * (oversample.oversample_groups if oversample else g.prompts_per_step))
     reward_fn.probe(data.train[0])
@@ -247,7 +250,8 @@ def check_run(cfg: DictConfig) -> Checked:
     if losses.kl_coef > 0 and g.ref_path and not os.path.exists(g.ref_path):
         raise FileNotFoundError(f"grpo.ref_path: {g.ref_path!r} does not exist")
     return Checked(tokenizer=tokenizer, reward_fn=reward_fn, evaluation=evaluation, sft=sft_cfg, do_sft=do_sft,
-                   oversample=oversample, tools=tools, partial=partial, data=data, schedule=lr_schedule(cfg),
+                   oversample=oversample, tools=tools, partial=partial, data_options=options, data=data,
+                   schedule=lr_schedule(cfg),
                    losses=losses, supervision=supervision_config(cfg, losses))
 
 
@@ -357,7 +361,7 @@ def start_rollouts(cfg: DictConfig, checked: Checked, trainer: Trainer, restored
     if checked.tools is not None:  # generate (rollouts and eval) now answers calculator calls between turns
         engine = MultiTurnEngine(engine, checked.tools, checked.tools.config.max_turns)
     data = checked.data
-    order = PromptOrder(len(data.train), bool(cfg.data.shuffle), int(cfg.data.seed), cursor)
+    order = PromptOrder(len(data.train), checked.data_options.shuffle, checked.data_options.seed, cursor)
     rollout = StepRollout(checked.reward_fn, data.train, order, checked.tokenizer, int(cfg.grpo.prompts_per_step),
                           checked.oversample, carry)
     return engine, rollout, start, timelines

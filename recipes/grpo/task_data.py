@@ -21,12 +21,50 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from splash_rollout.recipes.grpo.data import ChainTaskConfig, make_dataset, without_answer
 from splash_rollout.recipes.grpo.rows import DataRowError, EmptySplitError, check_rows, get_path, read_rows, split_rows
 
 CHAT_MODES = ("auto", "always", "never")
+KINDS = ("arith_chain", "file", "reasoning_gym")
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """The recipe's ``data`` group, typed (``recipes/grpo/build.data_options`` makes it). Each source
+    reads its own keys; its YAML (``conf/data/<kind>.yaml``) lists them with their defaults and what
+    they mean, so the keys every source has are required here and the others default to None (a key
+    another source reads)."""
+
+    kind: str
+    """The source: ``arith_chain``, ``file`` or ``reasoning_gym``."""
+    prompt_key: str
+    chat_template: str
+    shuffle: bool
+    seed: int
+    label_key: str | None = None
+    sft_key: str | None = None
+    max_prompt_len: int | None = None
+    task: Any = None
+    """``arith_chain``: the generator's ``ChainTaskConfig`` fields (a mapping); ``reasoning_gym``: the task name."""
+    eval_size: int | None = None
+    sft_seed: int | None = None
+    sft_answer_marked: float | None = None
+    grpo_seed: int | None = None
+    grpo_pool_size: int | None = None
+    eval_seed: int | None = None
+    path: str | None = None
+    eval_path: str | None = None
+    eval_fraction: float | None = None
+    task_config: dict | None = None
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+        if self.chat_template not in CHAT_MODES:
+            raise ValueError(f"chat_template: expected one of {CHAT_MODES}, got {self.chat_template!r}")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"shuffle: expected True or False, got {self.shuffle!r}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +109,7 @@ def render_prompt(prompt: Any, tokenizer, chat_template: str) -> list[int]:
     return tokenizer.apply_chat_template(prompt)
 
 
-def _examples(rows: list[tuple[int, dict]], source: str, split: str, d: DictConfig, tokenizer,
+def _examples(rows: list[tuple[int, dict]], source: str, split: str, d: DataOptions, tokenizer,
               max_prompt_len: int | None) -> tuple[list[Example], int]:
     out, dropped = [], 0
     for i, row in rows:
@@ -82,8 +120,8 @@ def _examples(rows: list[tuple[int, dict]], source: str, split: str, d: DictConf
         if max_prompt_len is not None and len(ids) > max_prompt_len:
             dropped += 1
             continue
-        label = get_path(row, d.label_key) if d.get("label_key") else None
-        target = get_path(row, d.sft_key) if d.get("sft_key") else None
+        label = get_path(row, d.label_key) if d.label_key else None
+        target = get_path(row, d.sft_key) if d.sft_key else None
         if target is not None and not isinstance(target, str):
             raise DataRowError(f"{source}: row {i}, {d.sft_key!r} (data.sft_key): expected a string, "
                                f"got {type(target).__name__}")
@@ -95,14 +133,14 @@ def _numbered(rows: list[dict]) -> list[tuple[int, dict]]:
     return list(enumerate(rows))
 
 
-def _source_rows(d: DictConfig, fresh_prompts: int) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]], str, str]:
+def _source_rows(d: DataOptions, fresh_prompts: int) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]], str, str]:
     """(train rows, eval rows, train source name, eval source name) of ``data.kind``; each row
     paired with its number in its source."""
     kind = d.kind
     if kind == "arith_chain":
-        task = ChainTaskConfig(**OmegaConf.to_container(d.task, resolve=True))
-        train = _numbered(list(make_dataset(d.get("grpo_pool_size") or fresh_prompts, d.grpo_seed, task)))
-        evals = _numbered(list(make_dataset(d.eval_size, d.eval_seed, task))) if d.get("eval_size") else []
+        task = ChainTaskConfig(**dict(d.task or {}))
+        train = _numbered(list(make_dataset(d.grpo_pool_size or fresh_prompts, d.grpo_seed, task)))
+        evals = _numbered(list(make_dataset(d.eval_size, d.eval_seed, task))) if d.eval_size else []
         return train, evals, "arith_chain", "arith_chain (eval)"
     if kind == "reasoning_gym":
         try:
@@ -110,30 +148,30 @@ def _source_rows(d: DictConfig, fresh_prompts: int) -> tuple[list[tuple[int, dic
         except ImportError:
             raise ImportError("data=reasoning_gym needs the reasoning-gym package: "
                               "pip install 'splash_rollout[reasoning-gym]'") from None
-        extra = OmegaConf.to_container(d.task_config, resolve=True) if d.get("task_config") else {}
+        extra = dict(d.task_config or {})
         make = lambda size, seed: _numbered([dict(e) for e in reasoning_gym.create_dataset(d.task, size=size,
                                                                                              seed=seed, **extra)])
         return make(d.size, d.seed), (make(d.eval_size, d.seed + 1) if d.eval_size else []), \
             f"reasoning_gym:{d.task}", f"reasoning_gym:{d.task} (eval)"
     if kind == "file":
-        if not d.get("path"):
+        if not d.path:
             raise ValueError("data=file needs data.path (a .jsonl / .parquet file or a datasets folder)")
         rows = _numbered(read_rows(d.path))
-        if d.get("eval_path"):
+        if d.eval_path:
             return rows, _numbered(read_rows(d.eval_path)), d.path, f"data.eval_path={d.eval_path}"
         train, evals = split_rows(rows, float(d.eval_fraction or 0.0), int(d.seed))
         return train, evals, d.path, f"{d.path} (held-out {d.eval_fraction})"
     raise ValueError(f"data.kind: expected arith_chain, file or reasoning_gym, got {kind!r}")
 
 
-def build_task_data(d: DictConfig, tokenizer, max_prompt_len: int | None, need_eval: bool,
+def build_task_data(d: DataOptions, tokenizer, max_prompt_len: int | None, need_eval: bool,
                     sft_examples: int = 0, fresh_prompts: int = 0) -> TaskData:
     """Read, check and tokenize every split. Raises (before any training work) on a missing key,
     an empty train split, or an empty eval split when ``need_eval``. ``sft_examples``: how many SFT
     rows the run consumes; ``fresh_prompts``: the generator's pool when ``data.grpo_pool_size`` is null."""
     train_rows, eval_rows, train_src, eval_src = _source_rows(d, fresh_prompts)
-    keys = {"data.prompt_key": d.prompt_key, "data.label_key": d.get("label_key")}
-    check_rows(train_rows, {**keys, "data.sft_key": d.get("sft_key") if sft_examples else None}, train_src)
+    keys = {"data.prompt_key": d.prompt_key, "data.label_key": d.label_key}
+    check_rows(train_rows, {**keys, "data.sft_key": d.sft_key if sft_examples else None}, train_src)
     check_rows(eval_rows, keys, eval_src)
     train, dropped_train = _examples(train_rows, train_src, "train", d, tokenizer, max_prompt_len)
     evals, dropped_eval = _examples(eval_rows, eval_src, "eval", d, tokenizer, max_prompt_len)
@@ -147,11 +185,11 @@ def build_task_data(d: DictConfig, tokenizer, max_prompt_len: int | None, need_e
     return TaskData(train, evals, sft, {"train": dropped_train, "eval": dropped_eval})
 
 
-def _sft_examples(d: DictConfig, tokenizer, train: list[Example], count: int) -> list[Example]:
+def _sft_examples(d: DataOptions, tokenizer, train: list[Example], count: int) -> list[Example]:
     if count == 0:
         return []
     if d.kind == "arith_chain":  # fresh chains of their own seed, as many as SFT consumes
-        task = ChainTaskConfig(**OmegaConf.to_container(d.task, resolve=True))
+        task = ChainTaskConfig(**dict(d.task or {}))
         marked = float(d.sft_answer_marked)
         if not 0.0 <= marked <= 1.0:
             raise ValueError(f"data.sft_answer_marked: expected a fraction in [0, 1], got {marked}")
@@ -159,7 +197,7 @@ def _sft_examples(d: DictConfig, tokenizer, train: list[Example], count: int) ->
         return [Example(render_prompt(r["prompt"], tokenizer, d.chat_template), r, r["answer"],
                         r["solution"] if style.random() < marked else without_answer(r["solution"]), "sft", i)
                 for i, r in enumerate(make_dataset(count, d.sft_seed, task))]
-    if not d.get("sft_key"):
+    if not d.sft_key:
         raise ValueError("sft.steps > 0 needs data.sft_key (the row's reference response); or set sft.steps=0")
     return train
 

@@ -6,10 +6,10 @@ import json
 
 import datasets
 import pytest
-from omegaconf import OmegaConf
 
 from splash_rollout.recipes.grpo.rows import DataRowError, EmptySplitError, get_path, read_rows, split_rows
-from splash_rollout.recipes.grpo.task_data import PromptOrder, build_task_data, render_prompt
+from splash_rollout.recipes.grpo.build import data_options
+from splash_rollout.recipes.grpo.task_data import DataOptions, PromptOrder, build_task_data, render_prompt
 from splash_rollout.models.tokenizer import ChatTemplateError, NANO_CHAT_TEMPLATE, load_tokenizer
 
 TOK = load_tokenizer("glm5-nano")
@@ -21,7 +21,7 @@ def data_cfg(path, **kw):
     base = dict(kind="file", path=str(path), eval_path=None, eval_fraction=0.25, prompt_key="messages",
                 label_key="meta.answer", sft_key="solution", chat_template="auto", shuffle=True, seed=0,
                 max_prompt_len=None)
-    return OmegaConf.create({**base, **kw})
+    return DataOptions(**{**base, **kw})
 
 
 def write_jsonl(path, rows):
@@ -119,7 +119,7 @@ def test_reasoning_gym_task_as_chat_prompts():
     from splash_rollout.run import compose_config
 
     cfg = compose_config(["+recipe=grpo_glm5", "data=reasoning_gym", "data.size=6", "data.eval_size=3", "reward=reasoning_gym"])
-    data = build_task_data(cfg.data, TOK, None, need_eval=True, sft_examples=4)
+    data = build_task_data(data_options(cfg), TOK, None, need_eval=True, sft_examples=4)
     assert (len(data.train), len(data.eval)) == (6, 3) and data.sft == data.train
     first = data.train[0]
     assert TOK.decode(first.prompt_ids) == f"<|user|>\n{first.row['question']}\n<|assistant|>\n"
@@ -132,7 +132,7 @@ def test_sft_answer_marked_is_the_share_of_demonstrations_stating_the_answer():
 
     def targets(marked):
         cfg = compose_config(["+recipe=grpo_glm5", f"data.sft_answer_marked={marked}", "data.eval_size=0"])
-        return [ex.target for ex in build_task_data(cfg.data, TOK, None, need_eval=False, sft_examples=400,
+        return [ex.target for ex in build_task_data(data_options(cfg), TOK, None, need_eval=False, sft_examples=400,
                                                     fresh_prompts=4).sft]
 
     full, quarter, none = targets(1.0), targets(0.25), targets(0.0)
