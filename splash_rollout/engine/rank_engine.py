@@ -71,7 +71,7 @@ from splash_rollout.layout.bytes import AttentionBytes
 from splash_rollout.layout.footprint import pool_tokens
 from splash_rollout.layout.layouts import Layout
 from splash_rollout.layout.rank_view import RankView
-from splash_rollout.layout.traffic import Collective
+from splash_rollout.layout.traffic import BY_LAYOUT, Collective
 from splash_rollout.models.weights import Target
 from splash_rollout.models.config import ModelConfig
 from splash_rollout.models.weights import WeightSource
@@ -254,11 +254,11 @@ class Engine:
         return self.state.view.layout
 
     def step_traffic(self, batch: ForwardBatch) -> list[Collective]:
-        """What one layer of ``batch``'s step sends between the ranks in the current layout, as the
-        executor states it (``layout/traffic.py``): the account the cost model prices."""
+        """What one layer of ``batch``'s step sends between the ranks in the current layout: the
+        layout's account (``layout/traffic.BY_LAYOUT``), the one the cost model prices."""
         shape = step_shape(batch, self.config, self.world_size, self.settings.parallel.feed_forward,
                            element_bytes(self.settings.dtype))
-        return self.runner.executor.layer_traffic(shape)
+        return BY_LAYOUT[self.layout](shape)
 
     @property
     def decision_log(self) -> list[dict]:

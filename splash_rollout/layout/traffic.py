@@ -141,8 +141,6 @@ def from_owners(tag: str, rows: tuple[int, ...], row_bytes: int) -> Collective:
 def feed_forward(shape: StepShape, rows_stay_with_owners: bool) -> list[Collective]:
     """The feed-forward block's collectives (per layer)."""
     t, w, row = shape.world_size, shape.widths, shape.hidden
-    if t == 1:
-        return []
     if shape.feed_forward == "replicated":  # each row computed whole on one rank: its owner, or an even share
         if rows_stay_with_owners:
             return []
@@ -155,9 +153,8 @@ def feed_forward(shape: StepShape, rows_stay_with_owners: bool) -> list[Collecti
 
 def tp(shape: StepShape) -> list[Collective]:
     """TP: H/T heads of every row here, then the layer's partial output all-reduced."""
-    t = shape.world_size
-    attn = [all_reduce("step/attn", t, shape.rows * shape.hidden * shape.widths.partial)] if t > 1 else []
-    return attn + feed_forward(shape, rows_stay_with_owners=False)
+    return [all_reduce("step/attn", shape.world_size, shape.rows * shape.hidden * shape.widths.partial)] \
+        + feed_forward(shape, rows_stay_with_owners=False)
 
 
 def dp(shape: StepShape) -> list[Collective]:
@@ -167,22 +164,18 @@ def dp(shape: StepShape) -> list[Collective]:
 
 def dop(shape: StepShape) -> list[Collective]:
     """DOP: head slices of every row to its owner and back, then the partial o_proj all-reduced."""
-    t, w = shape.world_size, shape.widths
-    if t == 1:
-        return []
-    local_heads = shape.heads // t
+    w = shape.widths
+    local_heads = shape.heads // shape.world_size
     return [to_owners("step/attn", shape.owned_rows, local_heads * (shape.kv_lora + shape.qk_rope) * w.attention),
             from_owners("step/attn", shape.owned_rows, local_heads * shape.kv_lora * w.attention),
-            all_reduce("step/attn", t, shape.rows * shape.hidden * w.partial)] \
+            all_reduce("step/attn", shape.world_size, shape.rows * shape.hidden * w.partial)] \
         + feed_forward(shape, rows_stay_with_owners=False)
 
 
 def cp(shape: StepShape) -> list[Collective]:
     """CP: every rank's partial attention over the positions it stores, gathered and merged."""
-    t, w, n = shape.world_size, shape.widths, shape.rows
-    if t == 1:
-        return []
-    every = (n,) * t
+    w, n = shape.widths, shape.rows
+    every = (n,) * shape.world_size
     return [all_gather("step/attn", every, shape.heads * shape.kv_lora * w.cp_partial),
             all_gather("step/attn", every, shape.heads * w.lse),
             all_gather("step/attn", every, shape.score_columns * w.score, indexer_layers_only=True)] \
@@ -190,7 +183,8 @@ def cp(shape: StepShape) -> list[Collective]:
 
 
 BY_LAYOUT = {Layout.TP: tp, Layout.DP: dp, Layout.DOP: dop, Layout.CP: cp}
-"""Each layout's per-layer account (the executors' ``traffic``)."""
+"""Each layout's per-layer account: what its executor (engine/executors/) runs, read by
+``Engine.step_traffic`` and by the cost model. On one rank every collective moves 0 bytes."""
 
 
 def step_totals(per_layer: list[Collective], layers: int, indexer_layers: int) -> dict[tuple[str, str], list[int]]:

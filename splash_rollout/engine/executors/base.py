@@ -69,9 +69,6 @@ class AttentionExecutor(abc.ABC):
     rank = 0
     """This rank's index in its layout (the single-rank executor: 0)."""
 
-    layer_traffic = staticmethod(traffic.tp)
-    """StepShape -> the collectives one layer of a step runs here (``layout/traffic.py``; one rank: none)."""
-
     inputs_stay_local = False
     """Whether a rank's next step reads only the tokens it sampled itself (its rows are its own
     requests'), so the ranks may decode a token window between exchanges (engine/token_window.py)."""

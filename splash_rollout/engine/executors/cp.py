@@ -17,13 +17,10 @@ from splash_rollout.engine.executors.base import ReplicatedRowsExecutor
 from splash_rollout.engine.attention.base import DSA_KEYS_SCRATCH_KEY
 from splash_rollout.engine.executors.single import DSA_SCRATCH_KEY, index_scores, shared_selection
 from splash_rollout.engine.forward_batch import ForwardBatch
-from splash_rollout.layout import traffic
 from splash_rollout.models.attention_math import indexer_select, merge_partial_attention
 
 
 class CPExecutor(ReplicatedRowsExecutor):
-    layer_traffic = staticmethod(traffic.cp)
-
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, layer = self.s, attn.layer_idx
         shard = s.shards[layer]  # all heads

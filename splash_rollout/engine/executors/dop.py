@@ -13,11 +13,9 @@ from splash_rollout.engine.executors.base import ReplicatedRowsExecutor
 from splash_rollout.engine.executors.dp import rows_by_owner
 from splash_rollout.engine.executors.single import dsa_select
 from splash_rollout.engine.forward_batch import ForwardBatch
-from splash_rollout.layout import traffic
 
 
 class DOPExecutor(ReplicatedRowsExecutor):
-    layer_traffic = staticmethod(traffic.dop)
     fixed_shapes = False  # its collectives are sized by the rows each rank owns
 
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -13,7 +13,6 @@ from splash_rollout.engine.executors.base import RankExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
 from splash_rollout.engine.parallel_mlp import on_owned_rows
-from splash_rollout.layout import traffic
 
 
 def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, list[int]]:
@@ -28,7 +27,6 @@ def rows_by_owner(batch: ForwardBatch, world_size: int) -> tuple[torch.Tensor, l
 
 
 class DPExecutor(RankExecutor):
-    layer_traffic = staticmethod(traffic.dp)
     fixed_shapes = False  # its collectives are sized by the rows each rank owns
 
     inputs_stay_local = True  # a rank samples and feeds back only its own requests' tokens

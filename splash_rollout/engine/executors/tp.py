@@ -7,12 +7,9 @@ import torch
 from splash_rollout.engine.executors.base import ReplicatedRowsExecutor
 from splash_rollout.engine.executors.single import attend_local
 from splash_rollout.engine.forward_batch import ForwardBatch
-from splash_rollout.layout import traffic
 
 
 class TPExecutor(ReplicatedRowsExecutor):
-    layer_traffic = staticmethod(traffic.tp)
-
     def forward(self, attn, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = self.s
         partial = attend_local(attn, s.shards[attn.layer_idx], s.pool, s.backend, x, batch)  # [N, hidden]
